@@ -1,0 +1,40 @@
+# Two commands for a newcomer: `make run` and `make test`. Both install what is missing.
+PYTHON ?= python3.11
+VENV ?= .venv
+BIN := $(VENV)/bin
+MODEL ?=
+STAGES ?= 2
+
+.PHONY: install run test lint protos bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+
+# torch first, by exact version: 2.13.0 resolves to the CPU build kept on local disk here
+# (a GPU host gets the CUDA build of the same version).
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $@
+
+install: $(VENV)/.installed
+
+protos: install
+	$(BIN)/python -m stagemesh.protos
+
+lint: install
+	$(BIN)/ruff check .
+
+test: install
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q -ra
+
+run: install
+	$(BIN)/stagemesh demo --stages $(STAGES) $(if $(MODEL),--model $(MODEL),)
+
+bench: install
+	$(BIN)/python scripts/bench.py --quick
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

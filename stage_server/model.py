@@ -1,0 +1,335 @@
+"""A slice of a Llama-family decoder (Llama, Mistral, Qwen2) in plain PyTorch.
+
+One forward pass runs a flat batch: the tokens of many sessions' steps side by side, [T, hidden].
+Linear layers see all T tokens at once; attention runs per step against that session's own KV
+cache, so sessions of different lengths, prefill chunks and decode steps share one pass.
+The math follows transformers' modeling_llama/qwen2/mistral so that results match it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from torch import nn
+
+from stage_server.kv_pool import SessionCache
+
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2")
+# Rope variants whose frequencies do not change with the sequence length.
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    family: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position: int
+    rms_norm_eps: float
+    attention_bias: bool
+    mlp_bias: bool
+    tie_word_embeddings: bool
+    # Per layer: attend to at most this many previous positions, or None for full attention.
+    sliding_windows: tuple[int | None, ...]
+
+    @classmethod
+    def from_hf_config(cls, config) -> ModelArgs:
+        family = config.model_type
+        if family not in SUPPORTED_FAMILIES:
+            raise ValueError(f"model family {family!r} is not supported; use one of {SUPPORTED_FAMILIES}")
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
+        num_layers = config.num_hidden_layers
+        windows: list[int | None] = [None] * num_layers
+        layer_types = getattr(config, "layer_types", None)
+        window = getattr(config, "sliding_window", None)
+        if window:
+            if layer_types:
+                windows = [window if t == "sliding_attention" else None for t in layer_types]
+            elif family == "mistral":
+                windows = [window] * num_layers
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return cls(
+            family=family,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=num_layers,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads or config.num_attention_heads,
+            head_dim=head_dim,
+            vocab_size=config.vocab_size,
+            max_position=config.max_position_embeddings,
+            rms_norm_eps=config.rms_norm_eps,
+            attention_bias=family == "qwen2" or bool(getattr(config, "attention_bias", False)),
+            mlp_bias=family == "llama" and bool(getattr(config, "mlp_bias", False)),
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            sliding_windows=tuple(windows),
+        )
+
+
+def load_hf_config(model_dir: str | Path):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+
+
+def rope_inv_freq(config) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and cos/sin scale, computed by transformers itself so they match exactly."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = getattr(config, "rope_parameters", None) or {"rope_type": "default"}
+    rope_type = params.get("rope_type", "default")
+    if rope_type not in STATIC_ROPE_TYPES:
+        raise ValueError(f"rope type {rope_type!r} is not supported; supported: {STATIC_ROPE_TYPES}")
+    if rope_type == "default":
+        base = params["rope_theta"]
+        dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        return inv_freq, 1.0
+    return ROPE_INIT_FUNCTIONS[rope_type](config)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+@dataclass
+class StepSlice:
+    """One session's part of a flat batch: tokens [offset, offset+length) at positions start...
+
+    cache.length == start when the pass begins; the pass writes K/V for the new positions.
+    """
+
+    cache: SessionCache
+    offset: int
+    start: int
+    length: int
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, layer_index: int, slot: int):
+        super().__init__()
+        self.args = args
+        self.slot = slot  # index of this layer inside the stage's KV cache
+        self.window = args.sliding_windows[layer_index]
+        bias = args.attention_bias
+        self.q_proj = nn.Linear(args.hidden_size, args.num_heads * args.head_dim, bias=bias)
+        self.k_proj = nn.Linear(args.hidden_size, args.num_kv_heads * args.head_dim, bias=bias)
+        self.v_proj = nn.Linear(args.hidden_size, args.num_kv_heads * args.head_dim, bias=bias)
+        # Llama's attention_bias covers o_proj too; Qwen2's bias is on q/k/v only.
+        o_bias = bias and args.family == "llama"
+        self.o_proj = nn.Linear(args.num_heads * args.head_dim, args.hidden_size, bias=o_bias)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, steps: list[StepSlice]
+    ) -> torch.Tensor:
+        # x: [T, hidden]; cos, sin: [T, head_dim]
+        a = self.args
+        T = x.shape[0]
+        q = self.q_proj(x).view(T, a.num_heads, a.head_dim)
+        k = self.k_proj(x).view(T, a.num_kv_heads, a.head_dim)
+        v = self.v_proj(x).view(T, a.num_kv_heads, a.head_dim)
+        c, s = cos[:, None, :], sin[:, None, :]
+        q = q * c + rotate_half(q) * s
+        k = k * c + rotate_half(k) * s
+
+        out = torch.empty(T, a.num_heads, a.head_dim, dtype=x.dtype, device=x.device)
+        for st in steps:
+            lo, hi, end = st.offset, st.offset + st.length, st.start + st.length
+            k_cache, v_cache = st.cache.k[self.slot], st.cache.v[self.slot]  # [kvH, capacity, D]
+            k_cache[:, st.start : end] = k[lo:hi].transpose(0, 1)
+            v_cache[:, st.start : end] = v[lo:hi].transpose(0, 1)
+            mask, causal = self._mask(st, x.device)
+            o = F.scaled_dot_product_attention(
+                q[lo:hi].transpose(0, 1)[None],  # [1, H, L, D]
+                k_cache[None, :, :end],
+                v_cache[None, :, :end],
+                attn_mask=mask,
+                is_causal=causal,
+                enable_gqa=a.num_heads != a.num_kv_heads,
+            )
+            out[lo:hi] = o[0].transpose(0, 1)
+        return self.o_proj(out.view(T, a.num_heads * a.head_dim))
+
+    def _mask(self, st: StepSlice, device: torch.device) -> tuple[torch.Tensor | None, bool]:
+        end = st.start + st.length
+        if self.window is None or end <= self.window:
+            if st.length == 1:
+                return None, False
+            if st.start == 0:
+                return None, True
+        q_pos = torch.arange(st.start, end, device=device)[:, None]
+        k_pos = torch.arange(end, device=device)[None, :]
+        mask = k_pos <= q_pos
+        if self.window is not None:
+            mask &= q_pos - k_pos < self.window
+        return mask, False
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
+        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
+        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, layer_index: int, slot: int):
+        super().__init__()
+        self.self_attn = Attention(args, layer_index, slot)
+        self.mlp = MLP(args)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(self, x, cos, sin, steps: list[StepSlice]) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, steps)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class StageModel(nn.Module):
+    """Decoder layers [layer_start, layer_end), plus embeddings on the first stage and the
+    final norm and LM head on the last."""
+
+    def __init__(self, args: ModelArgs, layer_start: int, layer_end: int, inv_freq: torch.Tensor,
+                 rope_scale: float):
+        super().__init__()
+        if not 0 <= layer_start < layer_end <= args.num_layers:
+            raise ValueError(
+                f"layer range {layer_start}:{layer_end} is not inside the model's 0:{args.num_layers}"
+            )
+        self.args = args
+        self.layer_start, self.layer_end = layer_start, layer_end
+        self.is_first = layer_start == 0
+        self.is_last = layer_end == args.num_layers
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size) if self.is_first else None
+        self.layers = nn.ModuleList(
+            DecoderLayer(args, i, slot) for slot, i in enumerate(range(layer_start, layer_end))
+        )
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps) if self.is_last else None
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False) if self.is_last else None
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        self.rope_scale = rope_scale
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.layers[0].mlp.up_proj.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.layers[0].mlp.up_proj.weight.device
+
+    def rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.rope_scale).to(dtype), (emb.sin() * self.rope_scale).to(dtype)
+
+    @torch.inference_mode()
+    def forward(self, inputs: torch.Tensor, steps: list[StepSlice]) -> torch.Tensor:
+        """inputs: token ids [T] on the first stage, hidden states [T, hidden] elsewhere.
+
+        Returns hidden states [T, hidden], or on the last stage the logits of each step's
+        last position [len(steps), vocab] in float32. Advances each step's cache length.
+        """
+        x = self.embed_tokens(inputs) if self.is_first else inputs.to(self.dtype)
+        positions = torch.cat([torch.arange(s.start, s.start + s.length) for s in steps]).to(x.device)
+        cos, sin = self.rotary(positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, steps)
+        for st in steps:
+            st.cache.length = st.start + st.length
+        if not self.is_last:
+            return x
+        last = torch.tensor([s.offset + s.length - 1 for s in steps], device=x.device)
+        return self.lm_head(self.norm(x[last])).float()
+
+
+def _weight_files(model_dir: Path) -> dict[str, Path]:
+    """Maps each tensor name to the safetensors file that holds it."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: model_dir / fname for name, fname in weight_map.items()}
+    single = model_dir / "model.safetensors"
+    if not single.exists():
+        raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {model_dir}")
+    with safe_open(str(single), framework="pt") as f:
+        return {name: single for name in f.keys()}  # noqa: SIM118 - safe_open has no __iter__
+
+
+def load_stage(
+    model_dir: str | Path,
+    layer_start: int,
+    layer_end: int | None = None,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> StageModel:
+    """Builds the slice and reads only its own tensors from the checkpoint."""
+    model_dir = Path(model_dir)
+    config = load_hf_config(model_dir)
+    args = ModelArgs.from_hf_config(config)
+    layer_end = args.num_layers if layer_end is None else layer_end
+    inv_freq, rope_scale = rope_inv_freq(config)
+    with torch.device("meta"):
+        model = StageModel(args, layer_start, layer_end, inv_freq, rope_scale)
+
+    wanted: dict[str, str] = {}  # checkpoint name -> our parameter name
+    for slot, i in enumerate(range(layer_start, layer_end)):
+        for name, _ in model.layers[slot].named_parameters():
+            wanted[f"model.layers.{i}.{name}"] = f"layers.{slot}.{name}"
+    if model.is_first:
+        wanted["model.embed_tokens.weight"] = "embed_tokens.weight"
+    if model.is_last:
+        wanted["model.norm.weight"] = "norm.weight"
+        head = "model.embed_tokens.weight" if args.tie_word_embeddings else "lm_head.weight"
+        if head in wanted:  # tied and also first: one tensor, two uses
+            wanted.pop(head)
+        else:
+            wanted[head] = "lm_head.weight"
+
+    files = _weight_files(model_dir)
+    missing = [name for name in wanted if name not in files]
+    if missing:
+        raise ValueError(f"checkpoint {model_dir} lacks tensors {missing[:5]}")
+    state: dict[str, torch.Tensor] = {}
+    by_file: dict[Path, list[str]] = {}
+    for name in wanted:
+        by_file.setdefault(files[name], []).append(name)
+    for path, names in by_file.items():
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in names:
+                state[wanted[name]] = f.get_tensor(name).to(device=device, dtype=dtype)
+    if model.is_first and model.is_last and args.tie_word_embeddings:
+        state["lm_head.weight"] = state["embed_tokens.weight"]
+    model.to_empty(device=device)
+    model.load_state_dict(state, strict=True, assign=True)
+    model.inv_freq = inv_freq.float().to(device)
+    return model.eval()

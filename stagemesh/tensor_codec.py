@@ -1,0 +1,55 @@
+"""Tensors on the wire: dtype name, shape and raw bytes. No pickle, so a peer can never run code."""
+
+from __future__ import annotations
+
+import torch
+
+from stagemesh.v1 import tensor_pb2
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int8": torch.int8,
+}
+NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+FLOAT_DTYPES = frozenset({"float32", "bfloat16", "float16"})
+
+
+class CodecError(ValueError):
+    """The message does not describe a valid tensor; the caller sent something malformed."""
+
+
+def encode(t: torch.Tensor) -> tensor_pb2.Tensor:
+    if t.dtype not in NAMES:
+        raise CodecError(f"cannot send dtype {t.dtype}; supported: {', '.join(DTYPES)}")
+    t = t.detach().contiguous()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    # numpy has no bfloat16: view the bits as int16 so the bytes go out untouched.
+    raw = t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+    return tensor_pb2.Tensor(dtype=NAMES[t.dtype], shape=list(t.shape), data=raw.numpy().tobytes())
+
+
+def decode(msg: tensor_pb2.Tensor) -> torch.Tensor:
+    """Returns a tensor that owns its memory (safe to keep after the message is gone)."""
+    dtype = DTYPES.get(msg.dtype)
+    if dtype is None:
+        raise CodecError(f"unknown tensor dtype {msg.dtype!r}; supported: {', '.join(DTYPES)}")
+    shape = tuple(msg.shape)
+    if any(d < 0 for d in shape):
+        raise CodecError(f"negative dimension in shape {list(shape)}")
+    numel = 1
+    for d in shape:
+        numel *= d
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if len(msg.data) != numel * itemsize:
+        raise CodecError(
+            f"tensor of shape {list(shape)} and dtype {msg.dtype} needs {numel * itemsize} bytes, "
+            f"got {len(msg.data)}"
+        )
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(msg.data), dtype=dtype).reshape(shape)
