@@ -1,0 +1,186 @@
+"""The router's side of a pipeline chain: a request's sessions on every stage, stepped over one
+long-lived bidirectional stream per stage (a unary call per token would cost twice the latency)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import uuid
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+
+from stagemesh import grpc_server, tensor_codec
+from stagemesh.v1 import stage_pb2, stage_pb2_grpc
+
+log = logging.getLogger("stagemesh.router")
+
+
+@dataclass
+class StageEndpoint:
+    address: str
+    layer_start: int = 0
+    layer_end: int = 0
+    _stub: stage_pb2_grpc.StageStub | None = field(default=None, repr=False)
+    _channel: grpc.aio.Channel | None = field(default=None, repr=False)
+
+    @property
+    def stub(self) -> stage_pb2_grpc.StageStub:
+        if self._stub is None:
+            self._channel = grpc_server.insecure_channel(self.address)
+            self._stub = stage_pb2_grpc.StageStub(self._channel)
+        return self._stub
+
+    @property
+    def channel(self) -> grpc.aio.Channel:
+        self.stub  # noqa: B018 - creates the channel on first use
+        return self._channel
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = self._stub = None
+
+
+_chain_counter = itertools.count(1)
+
+
+@dataclass
+class Chain:
+    """Stages that together cover all layers, in order."""
+
+    stages: list[StageEndpoint]
+    chain_id: str = field(default_factory=lambda: f"chain-{next(_chain_counter)}")
+    healthy: bool = True
+    in_flight: int = 0
+
+    @property
+    def label(self) -> str:
+        return " -> ".join(f"{s.address}[{s.layer_start}:{s.layer_end}]" for s in self.stages)
+
+
+class ChainSession:
+    """One request's inference session on every stage of a chain.
+
+    Use as `async with ChainSession(chain, ...) as s:`; leaving the block closes every
+    stage's session, whatever the way out (done, error, cancellation)."""
+
+    def __init__(self, chain: Chain, max_length: int, request_id: str, deadline: float | None = None):
+        self.chain = chain
+        self.max_length = max_length
+        self.request_id = request_id
+        self.deadline = deadline  # loop.time() by which the request must be done
+        self.session_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
+        self.position = 0  # positions already in every stage's cache
+        self._streams: list[grpc.aio.StreamStreamCall] = []
+        self._opened: list[StageEndpoint] = []
+
+    def _timeout(self) -> float | None:
+        if self.deadline is None:
+            return None
+        return max(0.001, self.deadline - asyncio.get_running_loop().time())
+
+    async def __aenter__(self) -> ChainSession:
+        try:
+            for stage in self.chain.stages:
+                await stage.stub.OpenSession(
+                    stage_pb2.OpenSessionRequest(
+                        session_id=self.session_id, max_length=self.max_length, request_id=self.request_id
+                    ),
+                    timeout=self._timeout(),
+                    metadata=(("x-request-id", self.request_id),),
+                )
+                self._opened.append(stage)
+                self._streams.append(
+                    stage.stub.Forward(timeout=self._timeout(), metadata=(("x-request-id", self.request_id),))
+                )
+        except BaseException:
+            await self.close()
+            raise
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        for call in self._streams:
+            # Ending the stream closes the stage's session too; cancel() also covers a
+            # stream whose other side is stuck.
+            call.cancel()
+        self._streams.clear()
+        for stage in self._opened:
+            with contextlib.suppress(grpc.RpcError, asyncio.CancelledError):
+                await stage.stub.CloseSession(stage_pb2.CloseSessionRequest(session_id=self.session_id), timeout=2)
+        self._opened.clear()
+
+    async def _exchange(self, index: int, request: stage_pb2.ForwardRequest) -> stage_pb2.ForwardResponse:
+        call = self._streams[index]
+        await call.write(request)
+        response = await call.read()
+        if response is grpc.aio.EOF:
+            await call  # raises the stream's error status
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.UNAVAILABLE, None, None, details=f"stage {self.chain.stages[index].address} "
+                "ended the stream"
+            )
+        return response
+
+    async def step(
+        self,
+        token_ids: list[int],
+        *,
+        sampling: stage_pb2.SamplingParams,
+        chunk_size: int = 0,
+        return_logits: bool = False,
+    ) -> stage_pb2.ForwardResponse:
+        """Feeds token_ids at the session's position and returns the last stage's answer
+        (the next token). With chunk_size > 0 a long input flows through the chain in chunks,
+        stage i working on chunk k while stage i-1 works on chunk k+1."""
+        chunks = [token_ids]
+        if chunk_size and len(token_ids) > chunk_size:
+            chunks = [token_ids[i : i + chunk_size] for i in range(0, len(token_ids), chunk_size)]
+        n_stages = len(self.chain.stages)
+        queues: list[asyncio.Queue] = [asyncio.Queue() for _ in range(n_stages)]
+        start = self.position
+        for k, chunk in enumerate(chunks):
+            queues[0].put_nowait((start, k == len(chunks) - 1, tensor_codec.encode(torch.tensor(chunk))))
+            start += len(chunk)
+
+        async def run_stage(i: int) -> stage_pb2.ForwardResponse | None:
+            last_response = None
+            for _ in chunks:
+                chunk_start, is_last_chunk, tensor = await queues[i].get()
+                request = stage_pb2.ForwardRequest(session_id=self.session_id, start=chunk_start)
+                if i == 0:
+                    request.token_ids.CopyFrom(tensor)
+                else:
+                    request.hidden.CopyFrom(tensor)
+                if i == n_stages - 1:
+                    request.sampling.CopyFrom(sampling)
+                    request.skip_sample = not is_last_chunk
+                    request.return_logits = return_logits and is_last_chunk
+                response = await self._exchange(i, request)
+                if i < n_stages - 1:
+                    queues[i + 1].put_nowait((chunk_start, is_last_chunk, response.hidden))
+                last_response = response
+            return last_response
+
+        if n_stages == 1 or len(chunks) == 1:
+            # The common decode step: no tasks, just the hops in order.
+            response = None
+            for i in range(n_stages):
+                response = await run_stage(i)
+        else:
+            tasks = [asyncio.ensure_future(run_stage(i)) for i in range(n_stages)]
+            try:
+                results = await asyncio.gather(*tasks)
+            except BaseException:
+                for t in tasks:
+                    t.cancel()
+                raise
+            response = results[-1]
+        self.position += len(token_ids)
+        return response

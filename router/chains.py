@@ -1,0 +1,117 @@
+"""The chains a router may use: which are healthy, and which one a new request goes to."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from router.chain_client import Chain, StageEndpoint
+from stagemesh.v1 import stage_pb2, stage_pb2_grpc
+
+log = logging.getLogger("stagemesh.router")
+
+
+class NoUsableChain(RuntimeError):
+    """No chain can take the request now."""
+
+
+def parse_chain(spec: str) -> Chain:
+    """'HOST:PORT,HOST:PORT,...' in pipeline order; layer ranges are read from the stages."""
+    addresses = [a.strip() for a in spec.split(",") if a.strip()]
+    if not addresses:
+        raise ValueError(f"--chain {spec!r} names no stage; give HOST:PORT,HOST:PORT,... in pipeline order")
+    return Chain([StageEndpoint(a) for a in addresses])
+
+
+class ChainSet:
+    def __init__(self, chains: list[Chain], num_layers: int, on_change: Callable[[bool], None] | None = None):
+        self.chains = chains
+        self.num_layers = num_layers
+        self.on_change = on_change
+        self.plan = ""
+        self._described: set[str] = set()  # chain ids whose layer ranges were read and check out
+        self._notified = False
+
+    def usable(self) -> list[Chain]:
+        return [c for c in self.chains if c.healthy]
+
+    def pick(self, exclude: set[str] = frozenset()) -> Chain:
+        """The healthy chain with the fewest requests in flight."""
+        candidates = [c for c in self.usable() if c.chain_id not in exclude]
+        if not candidates:
+            raise NoUsableChain(
+                "no usable pipeline chain: every chain has a stage that is down or not serving; "
+                "retry later, or check the stage servers (ListChains shows each chain)"
+            )
+        return min(candidates, key=lambda c: c.in_flight)
+
+    def mark_down(self, chain: Chain, why: str) -> None:
+        if chain.healthy:
+            log.warning(f"chain {chain.chain_id} ({chain.label}) is down: {why}", extra={"chain": chain.chain_id})
+        chain.healthy = False
+        self._notify()
+
+    def _notify(self) -> None:
+        if self.on_change:
+            self.on_change(bool(self.usable()))
+
+    async def check(self, chain: Chain, timeout: float = 1.0) -> bool:
+        """A chain is healthy when every stage answers SERVING and together they cover all layers."""
+        try:
+            for stage in chain.stages:
+                reply = await health_pb2_grpc.HealthStub(stage.channel).Check(
+                    health_pb2.HealthCheckRequest(service=""), timeout=timeout
+                )
+                if reply.status != health_pb2.HealthCheckResponse.SERVING:
+                    return False
+            if chain.chain_id not in self._described:
+                await self._describe(chain, timeout)
+            return True
+        except (grpc.RpcError, ValueError) as exc:
+            if isinstance(exc, ValueError):
+                log.error(str(exc), extra={"chain": chain.chain_id})
+            return False
+
+    async def _describe(self, chain: Chain, timeout: float) -> None:
+        expect = 0
+        for stage in chain.stages:
+            info = await stage_pb2_grpc.StageStub(stage.channel).Info(stage_pb2.InfoRequest(), timeout=timeout)
+            if info.layer_start != expect:
+                raise ValueError(
+                    f"chain {chain.label}: stage {stage.address} holds layers {info.layer_start}:{info.layer_end} "
+                    f"but the chain needs layer {expect} next; list stages in pipeline order"
+                )
+            stage.layer_start, stage.layer_end = info.layer_start, info.layer_end
+            expect = info.layer_end
+        if expect != self.num_layers:
+            raise ValueError(f"chain {chain.label} covers layers 0:{expect} of {self.num_layers}")
+        self._described.add(chain.chain_id)
+
+    async def refresh(self) -> None:
+        results = await asyncio.gather(*(self.check(c) for c in self.chains))
+        changed = False
+        for chain, ok in zip(self.chains, results, strict=True):
+            if ok != chain.healthy:
+                log.info(f"chain {chain.chain_id} ({chain.label}) is {'up' if ok else 'down'}",
+                         extra={"chain": chain.chain_id})
+                chain.healthy = ok
+                changed = True
+        if changed or not self._notified:
+            self._notified = True
+            self._notify()
+
+    async def watch(self, interval: float = 1.0) -> None:
+        while True:
+            with contextlib.suppress(Exception):
+                await self.refresh()
+            await asyncio.sleep(interval)
+
+    async def close(self) -> None:
+        for chain in self.chains:
+            for stage in chain.stages:
+                await stage.close()

@@ -1,0 +1,108 @@
+"""Starts a router: loads the tokenizer, watches its chains' health, serves Router + health + reflection."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from router.chains import ChainSet, parse_chain
+from router.generation import GenerationConfig
+from router.router_service import RouterService
+from stagemesh import grpc_server
+from stagemesh.v1 import router_pb2, router_pb2_grpc
+
+log = logging.getLogger("stagemesh.router")
+SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
+
+
+@dataclass
+class RouterConfig:
+    model: str
+    """Local Hugging Face checkpoint directory: the router reads its tokenizer and config."""
+    chains: list[str] = field(default_factory=list)
+    """Each 'HOST:PORT,HOST:PORT,...' in pipeline order."""
+    host: str = "127.0.0.1"
+    port: int = 0
+    prefill_chunk: int = 256
+    health_interval_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.prefill_chunk < 0:
+            raise ValueError("--prefill-chunk must be >= 0 (0: no chunking)")
+
+
+def eos_token_ids(model_dir: str, tokenizer, model_config) -> frozenset[int]:
+    """The ids that end generation, as transformers' generate() reads them."""
+    from transformers import GenerationConfig as HFGenerationConfig
+
+    ids = None
+    if (Path(model_dir) / "generation_config.json").exists():
+        ids = HFGenerationConfig.from_pretrained(model_dir).eos_token_id
+    if ids is None:
+        ids = getattr(model_config, "eos_token_id", None)
+    if ids is None:
+        ids = tokenizer.eos_token_id
+    if ids is None:
+        return frozenset()
+    return frozenset([ids] if isinstance(ids, int) else ids)
+
+
+class RouterServer:
+    def __init__(self, config: RouterConfig):
+        from transformers import AutoConfig, AutoTokenizer
+
+        self.config = config
+        model_config = AutoConfig.from_pretrained(config.model, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(config.model, local_files_only=True)
+        self.server = grpc_server.new_server()
+        self.health = grpc_server.add_health_and_reflection(self.server, [SERVICE_NAME])
+        self.chains = ChainSet([parse_chain(c) for c in config.chains], model_config.num_hidden_layers,
+                               on_change=self._on_chains_change)
+        for chain in self.chains.chains:
+            chain.healthy = False  # until the first health check passes
+        self.service = RouterService(
+            self.chains, tokenizer, model_config, eos_token_ids(config.model, tokenizer, model_config),
+            GenerationConfig(prefill_chunk=config.prefill_chunk), Path(config.model).name,
+        )
+        router_pb2_grpc.add_RouterServicer_to_server(self.service, self.server)
+        self.port = grpc_server.bind(self.server, config.host, config.port)
+        self._watch: asyncio.Task | None = None
+
+    @property
+    def address(self) -> str:
+        return f"{self.config.host}:{self.port}"
+
+    def _on_chains_change(self, serving: bool) -> None:
+        # SERVING only while at least one whole chain can serve.
+        asyncio.get_running_loop().create_task(grpc_server.set_serving(self.health, [SERVICE_NAME], serving))
+
+    async def start(self) -> None:
+        await self.server.start()
+        await self.chains.refresh()
+        self._watch = asyncio.get_running_loop().create_task(self.chains.watch(self.config.health_interval_s))
+        usable = len(self.chains.usable())
+        log.info(f"router on {self.address}: {usable} of {len(self.chains.chains)} chains usable")
+
+    async def stop(self, grace: float | None = 1.0) -> None:
+        if self._watch:
+            self._watch.cancel()
+        await grpc_server.set_serving(self.health, [SERVICE_NAME], False)
+        await self.server.stop(grace)
+        await self.chains.close()
+
+
+async def serve(config: RouterConfig) -> None:
+    server = RouterServer(config)
+    await server.start()
+    print(f"router ready on {server.address}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop()

@@ -1,0 +1,119 @@
+"""Shared fixtures: tiny checkpoints made on the spot, and real stage servers and routers on loopback."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+torch.set_num_threads(2)
+
+from router.server import RouterConfig, RouterServer  # noqa: E402
+from scripts.make_tiny_model import make_tiny_model  # noqa: E402
+from stage_server.server import StageConfig, StageServer, build_stage  # noqa: E402
+from stagemesh import grpc_server  # noqa: E402
+from stagemesh.v1 import router_pb2_grpc, stage_pb2_grpc  # noqa: E402
+
+FAMILIES = ("llama", "mistral", "qwen2")
+NUM_LAYERS = 8
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return {f: make_tiny_model(root / f, f, layers=NUM_LAYERS, seed=7) for f in FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_models) -> Path:
+    return tiny_models["llama"]
+
+
+def splits(*sizes: int) -> list[tuple[int, int]]:
+    """splits(2, 6) -> [(0, 2), (2, 8)]: stage layer ranges from their sizes."""
+    out, start = [], 0
+    for n in sizes:
+        out.append((start, start + n))
+        start += n
+    return out
+
+
+@dataclass
+class Mesh:
+    """Stage servers and a router, all real gRPC servers on 127.0.0.1, in this process."""
+
+    stages: list[list[StageServer]] = field(default_factory=list)  # one list per chain
+    router: RouterServer | None = None
+    channels: list = field(default_factory=list)
+
+    @property
+    def router_stub(self) -> router_pb2_grpc.RouterStub:
+        channel = grpc_server.insecure_channel(self.router.address)
+        self.channels.append(channel)
+        return router_pb2_grpc.RouterStub(channel)
+
+    def stage_stub(self, chain: int, index: int) -> stage_pb2_grpc.StageStub:
+        channel = grpc_server.insecure_channel(self.stages[chain][index].address)
+        self.channels.append(channel)
+        return stage_pb2_grpc.StageStub(channel)
+
+    def all_stages(self) -> list[StageServer]:
+        return [s for chain in self.stages for s in chain]
+
+    async def stop(self) -> None:
+        for channel in self.channels:
+            await channel.close()
+        if self.router:
+            await self.router.stop(0)
+        for stage in self.all_stages():
+            with contextlib.suppress(Exception):
+                await stage.stop(0)
+
+
+async def start_mesh(model: Path, chains: list[list[tuple[int, int]]], *, router: bool = True,
+                     stage_options: dict | None = None, router_options: dict | None = None) -> Mesh:
+    mesh = Mesh()
+    for layout in chains:
+        servers = []
+        for start, end in layout:
+            server = build_stage(StageConfig(model=str(model), layer_start=start, layer_end=end, kv_cache_gb=1.0,
+                                             **(stage_options or {})))
+            await server.start()
+            servers.append(server)
+        mesh.stages.append(servers)
+    if router:
+        specs = [",".join(s.address for s in servers) for servers in mesh.stages]
+        mesh.router = RouterServer(RouterConfig(model=str(model), chains=specs, health_interval_s=0.2,
+                                                **(router_options or {})))
+        await mesh.router.start()
+    return mesh
+
+
+@pytest.fixture(scope="session")
+def hf_models(tiny_models):
+    from transformers import AutoModelForCausalLM
+
+    return {f: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval() for f, p in tiny_models.items()}
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """The reference: transformers' generate() on the whole model in one process."""
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                             max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, len(prompt_ids):].tolist()
+
+
+async def collect(stream) -> tuple[list[int], str, list]:
+    ids, text, responses = [], "", []
+    async for r in stream:
+        ids.extend(r.token_ids)
+        text += r.text
+        responses.append(r)
+    return ids, text, responses
