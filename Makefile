@@ -31,7 +31,7 @@ test: install
 	$(BIN)/python -m pytest -q -ra
 
 run: install
-	$(BIN)/stagemesh demo --stages $(STAGES) $(if $(MODEL),--model $(MODEL),)
+	$(BIN)/stagemesh up --stages $(STAGES) $(if $(MODEL),--model $(MODEL),)
 
 bench: install
 	$(BIN)/python scripts/bench.py --quick

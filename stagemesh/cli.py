@@ -43,10 +43,10 @@ def cmd_router(a: argparse.Namespace) -> None:
                             prefill_chunk=a.prefill_chunk)))
 
 
-def cmd_demo(a: argparse.Namespace) -> None:
-    from stagemesh.demo import run_demo
+def cmd_up(a: argparse.Namespace) -> None:
+    from stagemesh.launcher import run_up
 
-    run_demo(model=a.model, stages=a.stages, port=a.port)
+    run_up(model=a.model, stages=a.stages, replicas=a.replicas, port=a.port, dtype=a.dtype)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -80,11 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per pipelined chunk (0: off)")
     r.set_defaults(func=cmd_router)
 
-    d = sub.add_parser("demo", help="start stage servers and a router on this machine")
-    d.add_argument("--model", default=None, help="checkpoint directory (default: make a tiny one)")
-    d.add_argument("--stages", type=int, default=2)
-    d.add_argument("--port", type=int, default=50051, help="the router's port")
-    d.set_defaults(func=cmd_demo)
+    u = sub.add_parser("up", help="start stage servers and a router on this machine")
+    u.add_argument("--model", default=None, help="checkpoint directory (default: make a tiny one)")
+    u.add_argument("--stages", type=int, default=2, help="pipeline stages per chain")
+    u.add_argument("--replicas", type=int, default=1, help="chains")
+    u.add_argument("--port", type=int, default=50051, help="the router's port")
+    u.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    u.set_defaults(func=cmd_up)
     return p
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import _async as reflection_aio
+from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
 # Hidden states of a long prefill can be large; the default 4 MiB limit would reject them.
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
@@ -22,11 +23,23 @@ def add_health_and_reflection(server: grpc.aio.Server, service_names: list[str])
     """Registers health (starting NOT_SERVING) and reflection for service_names."""
     servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    reflection.enable_server_reflection(
-        [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
-        server,
-    )
+    names = [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(_Reflection(names), server)
     return servicer
+
+
+class _Reflection(reflection_aio.ReflectionServicer):
+    """Also finds the file of a method symbol (`grpcurl describe stagemesh.v1.Router.Generate`):
+    protobuf's upb pool indexes services but not their methods."""
+
+    def _file_containing_symbol(self, request, fully_qualified_name):
+        try:
+            self._pool.FindFileContainingSymbol(fully_qualified_name)
+        except KeyError:
+            parent = fully_qualified_name.rpartition(".")[0]
+            if parent:
+                return super()._file_containing_symbol(request, parent)
+        return super()._file_containing_symbol(request, fully_qualified_name)
 
 
 async def set_serving(servicer: health.aio.HealthServicer, service_names: list[str], serving: bool) -> None:

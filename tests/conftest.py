@@ -105,8 +105,8 @@ def hf_models(tiny_models):
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """The reference: transformers' generate() on the whole model in one process."""
     with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-                             max_new_tokens=max_new_tokens, do_sample=False)
+        ids = torch.tensor([prompt_ids])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False)
     return out[0, len(prompt_ids):].tolist()
 
 

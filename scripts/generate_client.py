@@ -1,0 +1,42 @@
+"""How another service calls stagemesh: generated stubs, a streaming Generate, a deadline and metadata.
+
+    python scripts/generate_client.py --router 127.0.0.1:50051 "Once upon a time"
+"""
+
+from __future__ import annotations
+
+import argparse
+import uuid
+
+import grpc
+
+from stagemesh.v1 import router_pb2, router_pb2_grpc
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("prompt")
+    p.add_argument("--router", default="127.0.0.1:50051")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--deadline", type=float, default=30.0, help="seconds for the whole call")
+    a = p.parse_args()
+
+    with grpc.insecure_channel(a.router) as channel:
+        stub = router_pb2_grpc.RouterStub(channel)
+        request = router_pb2.GenerateRequest(
+            prompt=a.prompt, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
+            request_id=uuid.uuid4().hex[:16],
+        )
+        try:
+            for response in stub.Generate(request, timeout=a.deadline, metadata=[("x-caller", "example")]):
+                print(response.text, end="", flush=True)
+                if response.finish_reason:
+                    print(f"\n[{router_pb2.FinishReason.Name(response.finish_reason)}, "
+                          f"request {response.request_id}]")
+        except grpc.RpcError as err:
+            raise SystemExit(f"generate failed: {err.code().name}: {err.details()}") from None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""`stagemesh up`: a whole mesh on one machine (stage servers as separate processes and a router),
+for demos and benchmarks. Stops everything on Ctrl-C or SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+READY = re.compile(r"(stage|router) ready on (\S+)")
+
+
+def even_split(num_layers: int, stages: int) -> list[tuple[int, int]]:
+    if not 1 <= stages <= num_layers:
+        raise ValueError(f"--stages {stages}: must be between 1 and the model's {num_layers} layers")
+    bounds = [round(i * num_layers / stages) for i in range(stages + 1)]
+    return list(zip(bounds, bounds[1:], strict=False))
+
+
+def stage_env(threads: int | None) -> dict[str, str]:
+    """Co-located torch processes must not spin-wait on each other's cores."""
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    return env
+
+
+@dataclass
+class Process:
+    name: str
+    popen: subprocess.Popen
+    log_path: Path
+    address: str = ""
+
+
+@dataclass
+class LocalMesh:
+    model: str
+    log_dir: Path
+    processes: list[Process] = field(default_factory=list)
+
+    def spawn(self, name: str, args: list[str], env: dict[str, str], timeout: float = 120.0) -> Process:
+        log_path = self.log_dir / f"{name}.log"
+        log = log_path.open("w")
+        popen = subprocess.Popen([sys.executable, "-m", "stagemesh.cli", *args], stdout=subprocess.PIPE,
+                                 stderr=log, env=env, text=True)
+        proc = Process(name, popen, log_path)
+        self.processes.append(proc)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            line = popen.stdout.readline()
+            if not line:
+                break
+            if m := READY.search(line):
+                proc.address = m.group(2)
+                return proc
+        raise RuntimeError(f"{name} did not start; see {log_path}:\n{log_path.read_text()[-2000:]}")
+
+    def stop(self) -> None:
+        for proc in reversed(self.processes):
+            if proc.popen.poll() is None:
+                proc.popen.send_signal(signal.SIGTERM)
+        for proc in self.processes:
+            try:
+                proc.popen.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.popen.kill()
+
+
+def start_local_mesh(model: str, *, stages: int, replicas: int = 1, router_port: int = 50051,
+                     dtype: str = "float32", threads: int | None = None, prefill_chunk: int = 256,
+                     extra_stage_args: list[str] | None = None,
+                     log_dir: Path | None = None) -> tuple[LocalMesh, Process]:
+    from transformers import AutoConfig
+
+    num_layers = AutoConfig.from_pretrained(model, local_files_only=True).num_hidden_layers
+    mesh = LocalMesh(model, log_dir or Path(tempfile.mkdtemp(prefix="stagemesh-")))
+    env = stage_env(threads)
+    try:
+        chains = []
+        for r in range(replicas):
+            addresses = []
+            for i, (a, b) in enumerate(even_split(num_layers, stages)):
+                proc = mesh.spawn(f"stage-r{r}-s{i}", ["stage", "--model", model, "--layers", f"{a}:{b}",
+                                                        "--dtype", dtype, *(extra_stage_args or [])], env)
+                addresses.append(proc.address)
+            chains.append(",".join(addresses))
+        router_args = ["router", "--model", model, "--port", str(router_port), "--prefill-chunk", str(prefill_chunk)]
+        for c in chains:
+            router_args += ["--chain", c]
+        router = mesh.spawn("router", router_args, env)
+    except BaseException:
+        mesh.stop()
+        raise
+    return mesh, router
+
+
+def run_up(model: str | None, stages: int, replicas: int, port: int, dtype: str) -> None:
+    if model is None:
+        model = str(ensure_tiny_model(Path("models/tiny-llama")))
+    mesh, router = start_local_mesh(model, stages=stages, replicas=replicas, router_port=port, dtype=dtype)
+    print(f"\nstagemesh is up: {replicas} chain(s) of {stages} stage(s) for {model}; logs in {mesh.log_dir}")
+    for proc in mesh.processes:
+        print(f"  {proc.name:<12} {proc.address}")
+    print(f"""
+Call it:
+  grpcurl -plaintext {router.address} list
+  grpcurl -plaintext -d '{{"prompt": "Once upon a time", "max_new_tokens": 32}}' \\
+      {router.address} stagemesh.v1.Router/Generate
+  python scripts/generate_client.py --router {router.address} "Once upon a time"
+
+Ctrl-C stops everything.""", flush=True)
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
+    try:
+        while not stopping and all(p.popen.poll() is None for p in mesh.processes):
+            time.sleep(0.5)
+        for p in mesh.processes:
+            if p.popen.poll() is not None and not stopping:
+                print(f"{p.name} exited with {p.popen.returncode}; see {p.log_path}", file=sys.stderr)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        mesh.stop()
+        print("stopped", flush=True)
+
+
+def ensure_tiny_model(path: Path) -> Path:
+    if (path / "config.json").exists():
+        return path
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from scripts.make_tiny_model import make_tiny_model
+
+    print(f"making a tiny random model in {path} (no model hub needed)", flush=True)
+    return make_tiny_model(path, "llama")

@@ -1,0 +1,69 @@
+"""The real commands, as separate processes: `stagemesh stage` x2 and `stagemesh router`."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from safetensors import safe_open
+
+from stagemesh.launcher import start_local_mesh
+from stagemesh.v1 import router_pb2, router_pb2_grpc, stage_pb2, stage_pb2_grpc
+from tests.conftest import hf_greedy
+
+
+@pytest.fixture(scope="module")
+def local_mesh(tiny_model, tmp_path_factory):
+    mesh, router = start_local_mesh(str(tiny_model), stages=2, router_port=0,
+                                    log_dir=tmp_path_factory.mktemp("logs"))
+    yield mesh, router
+    mesh.stop()
+    assert all(p.popen.returncode is not None for p in mesh.processes)
+
+
+def test_processes_serve_exact_tokens_and_report_their_slice(local_mesh, hf_models, tiny_model):
+    mesh, router = local_mesh
+    with grpc.insecure_channel(router.address) as channel:
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        stub = router_pb2_grpc.RouterStub(channel)
+        prompt = [11, 12, 13, 14, 15]
+        ids = [t for r in stub.Generate(router_pb2.GenerateRequest(token_ids=prompt, max_new_tokens=16), timeout=30)
+               for t in r.token_ids]
+        assert ids == hf_greedy(hf_models["llama"], prompt, 16)
+        chains = stub.ListChains(router_pb2.ListChainsRequest(), timeout=5).chains
+        assert [(s.layer_start, s.layer_end) for s in chains[0].stages] == [(0, 4), (4, 8)]
+
+    infos = []
+    for proc in mesh.processes[:2]:
+        with grpc.insecure_channel(proc.address) as channel:
+            infos.append(stage_pb2_grpc.StageStub(channel).Info(stage_pb2.InfoRequest(), timeout=5))
+    first, last = infos
+    assert (first.is_first, first.is_last, last.is_first, last.is_last) == (True, False, False, True)
+    # Each stage holds only its own slice: together exactly the checkpoint, each about half of it.
+    with safe_open(str(tiny_model / "model.safetensors"), framework="pt") as f:
+        total = sum(f.get_tensor(name).nbytes for name in f.keys())  # noqa: SIM118
+    assert first.weight_bytes + last.weight_bytes == total
+    assert 0.4 * total < first.weight_bytes < 0.6 * total
+
+
+def test_router_reports_not_serving_when_its_only_chain_dies(local_mesh):
+    mesh, router = local_mesh
+    mesh.processes[1].popen.kill()
+    mesh.processes[1].popen.wait()
+    with grpc.insecure_channel(router.address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        deadline = time.monotonic() + 10
+        status = None
+        while time.monotonic() < deadline:
+            status = health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
+            if status == health_pb2.HealthCheckResponse.NOT_SERVING:
+                break
+            time.sleep(0.2)
+        assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+        with pytest.raises(grpc.RpcError) as err:
+            list(router_pb2_grpc.RouterStub(channel).Generate(
+                router_pb2.GenerateRequest(token_ids=[5, 6], max_new_tokens=4), timeout=10))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE

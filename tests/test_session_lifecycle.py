@@ -1,0 +1,74 @@
+"""Every session is closed on every path out: done, cancelled, deadline, idle expiry."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from stagemesh.v1 import router_pb2, stage_pb2
+from tests.conftest import collect, splits, start_mesh
+
+
+@pytest.fixture(scope="module")
+async def mesh(tiny_model):
+    mesh = await start_mesh(tiny_model, [splits(2, 6)])
+    yield mesh
+    await mesh.stop()
+
+
+async def open_sessions(mesh) -> list[int]:
+    return [(await mesh.stage_stub(0, i).Info(stage_pb2.InfoRequest())).open_sessions for i in range(2)]
+
+
+async def wait_until_no_sessions(mesh, timeout: float = 5.0) -> list[int]:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while (counts := await open_sessions(mesh)) != [0, 0] and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.05)
+    return counts
+
+
+async def test_fifty_requests_leave_no_session_and_no_kv_in_use(mesh):
+    stub = mesh.router_stub
+    for batch in range(5):
+        await asyncio.gather(*(
+            collect(stub.Generate(router_pb2.GenerateRequest(token_ids=[7, 8, batch * 10 + i], max_new_tokens=6)))
+            for i in range(10)))
+    assert await wait_until_no_sessions(mesh) == [0, 0]
+    for i in range(2):
+        info = await mesh.stage_stub(0, i).Info(stage_pb2.InfoRequest())
+        assert info.kv_used_bytes == 0
+
+
+async def test_cancelled_stream_frees_its_sessions(mesh):
+    call = mesh.router_stub.Generate(router_pb2.GenerateRequest(token_ids=[5, 6, 7], max_new_tokens=1500))
+    async for _ in call:
+        break  # the first token arrived: the sessions are open
+    assert await open_sessions(mesh) == [1, 1]
+    call.cancel()
+    assert await wait_until_no_sessions(mesh) == [0, 0]
+
+
+async def test_deadline_ends_the_stream_and_frees_its_sessions(mesh):
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await collect(mesh.router_stub.Generate(
+            router_pb2.GenerateRequest(token_ids=[5, 6, 7], max_new_tokens=1900), timeout=0.5))
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert await wait_until_no_sessions(mesh) == [0, 0]
+
+
+async def test_idle_session_expires(tiny_model):
+    short = await start_mesh(tiny_model, [splits(8)], router=False, stage_options={"session_timeout_s": 0.3})
+    stub = short.stage_stub(0, 0)
+    try:
+        await stub.OpenSession(stage_pb2.OpenSessionRequest(session_id="idle", max_length=8))
+        assert (await stub.Info(stage_pb2.InfoRequest())).open_sessions == 1
+        await asyncio.sleep(1.0)
+        info = await stub.Info(stage_pb2.InfoRequest())
+        assert (info.open_sessions, info.kv_used_bytes) == (0, 0)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.CloseSession(stage_pb2.CloseSessionRequest(session_id="idle"))
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    finally:
+        await short.stop()
