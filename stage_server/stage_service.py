@@ -20,6 +20,19 @@ from stagemesh.v1 import stage_pb2, stage_pb2_grpc
 log = logging.getLogger("stagemesh.stage")
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory. VmHWM, unlike ru_maxrss, is not inherited across exec
+    from a fat parent process."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 class StepError(Exception):
     def __init__(self, code: grpc.StatusCode, message: str):
         super().__init__(message)
@@ -159,7 +172,7 @@ class StageService(stage_pb2_grpc.StageServicer):
             vocab_size=args.vocab_size,
             max_position=args.max_position,
             weight_bytes=weight_bytes,
-            peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            peak_rss_bytes=peak_rss_bytes(),
             open_sessions=len(self.sessions),
             kv_used_bytes=self.sessions.pool.used_bytes,
             kv_capacity_bytes=self.sessions.pool.capacity_bytes,
