@@ -118,13 +118,18 @@ class ChainSession:
 
     async def _exchange(self, index: int, request: stage_pb2.ForwardRequest) -> stage_pb2.ForwardResponse:
         call = self._streams[index]
-        await call.write(request)
-        response = await call.read()
+        try:
+            await call.write(request)
+            response = await call.read()
+        except asyncio.InvalidStateError:  # the stream had already ended: its status says why
+            response = grpc.aio.EOF
         if response is grpc.aio.EOF:
-            await call  # raises the stream's error status
+            code, details = await call.code(), await call.details()
+            if code == grpc.StatusCode.OK:
+                code, details = grpc.StatusCode.UNAVAILABLE, "ended the stream"
             raise grpc.aio.AioRpcError(
-                grpc.StatusCode.UNAVAILABLE, None, None, details=f"stage {self.chain.stages[index].address} "
-                "ended the stream"
+                code, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                details=f"stage {self.chain.stages[index].address}: {details}",
             )
         return response
 

@@ -6,11 +6,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from collections.abc import AsyncIterator
 
 import grpc
 
 from router.chains import ChainSet, NoUsableChain
 from router.generation import GenerationConfig, GenerationRequest, generate
+from router.priority_queue import AdmissionRefused, PriorityAdmission
 from stagemesh.v1 import router_pb2, router_pb2_grpc
 
 log = logging.getLogger("stagemesh.router")
@@ -30,8 +32,9 @@ class InvalidRequest(Exception):
 
 class RouterService(router_pb2_grpc.RouterServicer):
     def __init__(self, chains: ChainSet, tokenizer, model_config, eos_ids: frozenset[int],
-                 config: GenerationConfig, model_name: str):
+                 config: GenerationConfig, model_name: str, admission: PriorityAdmission):
         self.chains = chains
+        self.admission = admission
         self.tokenizer = tokenizer
         self.vocab_size = model_config.vocab_size
         self.max_position = model_config.max_position_embeddings
@@ -85,13 +88,16 @@ class RouterService(router_pb2_grpc.RouterServicer):
             deadline=deadline,
         )
 
-    async def Generate(self, request, context):
-        try:
-            req = self.to_generation_request(request, context)
-        except InvalidRequest as exc:
-            await context.abort(exc.code, str(exc))
+    async def _stream(self, req: GenerationRequest) -> AsyncIterator[router_pb2.GenerateResponse]:
+        """Waits for admission, then streams; every failure leaves as InvalidRequest(code, message)."""
         extra = {"request_id": req.request_id}
-        log.info(f"generate: {len(req.prompt_ids)} prompt tokens, up to {req.max_new_tokens} new", extra=extra)
+        try:
+            await self.admission.acquire(req.priority, req.deadline)
+        except AdmissionRefused as exc:
+            log.warning(str(exc), extra=extra)
+            raise InvalidRequest(exc.code, str(exc)) from None
+        log.info(f"generate: {len(req.prompt_ids)} prompt tokens, up to {req.max_new_tokens} new, "
+                 f"priority {req.priority}", extra=extra)
         try:
             async for piece in generate(req, self.chains, self.tokenizer, self.eos_ids, self.config):
                 yield router_pb2.GenerateResponse(
@@ -102,19 +108,56 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 )
         except NoUsableChain as exc:
             log.warning(str(exc), extra=extra)
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            raise InvalidRequest(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                await context.abort(code, "the call's deadline passed before generation finished")
+                raise InvalidRequest(code, "the call's deadline passed before generation finished") from None
             log.warning(f"stage error: {code.name}: {exc.details()}", extra=extra)
-            if code not in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE,
-                            grpc.StatusCode.RESOURCE_EXHAUSTED):
+            if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise InvalidRequest(code, f"every chain is full: {exc.details()}") from None
+            if code not in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE):
                 code = grpc.StatusCode.UNAVAILABLE
-            await context.abort(code, f"a stage failed and no other chain could continue: {exc.details()}")
-        except asyncio.CancelledError:
-            log.info("caller cancelled", extra=extra)
-            raise
+            raise InvalidRequest(code, f"a stage failed and no other chain could continue: {exc.details()}") from None
+        finally:
+            self.admission.release()
+
+    async def Generate(self, request, context):
+        try:
+            req = self.to_generation_request(request, context)
+            async for response in self._stream(req):
+                yield response
+        except InvalidRequest as exc:
+            await context.abort(exc.code, str(exc))
+
+    async def GenerateBatch(self, request, context):
+        if not request.requests:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "requests is empty")
+        out: asyncio.Queue = asyncio.Queue()
+
+        async def run(index: int, sub: router_pb2.GenerateRequest) -> None:
+            try:
+                req = self.to_generation_request(sub, context)
+                async for response in self._stream(req):
+                    await out.put(router_pb2.GenerateBatchResponse(index=index, response=response))
+            except InvalidRequest as exc:
+                await out.put(router_pb2.GenerateBatchResponse(
+                    index=index, error_code=exc.code.value[0], error_message=f"request {index}: {exc}"))
+
+        # Each prompt runs as its own stream; the chain picker spreads them over all usable chains.
+        tasks = [asyncio.ensure_future(run(i, sub)) for i, sub in enumerate(request.requests)]
+        done = asyncio.ensure_future(asyncio.gather(*tasks))
+        try:
+            while not (done.done() and out.empty()):
+                getter = asyncio.ensure_future(out.get())
+                await asyncio.wait([getter, done], return_when=asyncio.FIRST_COMPLETED)
+                if getter.done():
+                    yield getter.result()
+                else:
+                    getter.cancel()
+        finally:
+            for t in tasks:
+                t.cancel()
 
     async def ListChains(self, request, context):
         return router_pb2.ListChainsResponse(

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from router.chains import ChainSet, parse_chain
 from router.generation import GenerationConfig
+from router.priority_queue import AdmissionConfig, PriorityAdmission
 from router.router_service import RouterService
 from stagemesh import grpc_server
 from stagemesh.v1 import router_pb2, router_pb2_grpc
@@ -29,6 +30,7 @@ class RouterConfig:
     port: int = 0
     prefill_chunk: int = 256
     health_interval_s: float = 1.0
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
 
     def __post_init__(self) -> None:
         if self.prefill_chunk < 0:
@@ -64,9 +66,10 @@ class RouterServer:
                                on_change=self._on_chains_change)
         for chain in self.chains.chains:
             chain.healthy = False  # until the first health check passes
+        self.admission = PriorityAdmission(config.admission, lambda: len(self.chains.usable()))
         self.service = RouterService(
             self.chains, tokenizer, model_config, eos_token_ids(config.model, tokenizer, model_config),
-            GenerationConfig(prefill_chunk=config.prefill_chunk), Path(config.model).name,
+            GenerationConfig(prefill_chunk=config.prefill_chunk), Path(config.model).name, self.admission,
         )
         router_pb2_grpc.add_RouterServicer_to_server(self.service, self.server)
         self.port = grpc_server.bind(self.server, config.host, config.port)
@@ -78,6 +81,7 @@ class RouterServer:
 
     def _on_chains_change(self, serving: bool) -> None:
         # SERVING only while at least one whole chain can serve.
+        self.admission.capacity_changed()
         asyncio.get_running_loop().create_task(grpc_server.set_serving(self.health, [SERVICE_NAME], serving))
 
     async def start(self) -> None:

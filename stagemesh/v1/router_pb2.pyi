@@ -54,6 +54,24 @@ class GenerateResponse(_message.Message):
     request_id: str
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., request_id: _Optional[str] = ...) -> None: ...
 
+class GenerateBatchRequest(_message.Message):
+    __slots__ = ("requests",)
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[GenerateRequest]
+    def __init__(self, requests: _Optional[_Iterable[_Union[GenerateRequest, _Mapping]]] = ...) -> None: ...
+
+class GenerateBatchResponse(_message.Message):
+    __slots__ = ("index", "response", "error_code", "error_message")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    response: GenerateResponse
+    error_code: int
+    error_message: str
+    def __init__(self, index: _Optional[int] = ..., response: _Optional[_Union[GenerateResponse, _Mapping]] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ...) -> None: ...
+
 class ListChainsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -40,6 +40,11 @@ class RouterStub:
                 request_serializer=stagemesh_dot_v1_dot_router__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=stagemesh_dot_v1_dot_router__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GenerateBatch = channel.unary_stream(
+                '/stagemesh.v1.Router/GenerateBatch',
+                request_serializer=stagemesh_dot_v1_dot_router__pb2.GenerateBatchRequest.SerializeToString,
+                response_deserializer=stagemesh_dot_v1_dot_router__pb2.GenerateBatchResponse.FromString,
+                _registered_method=True)
         self.ListChains = channel.unary_unary(
                 '/stagemesh.v1.Router/ListChains',
                 request_serializer=stagemesh_dot_v1_dot_router__pb2.ListChainsRequest.SerializeToString,
@@ -53,6 +58,14 @@ class RouterServicer:
 
     def Generate(self, request, context):
         """Streams the new tokens of one request; the last message carries finish_reason.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateBatch(self, request, context):
+        """Many prompts in one call, sharded across all usable chains; results stream back as they are
+        made, each tagged with its prompt's index.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -72,6 +85,11 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=stagemesh_dot_v1_dot_router__pb2.GenerateRequest.FromString,
                     response_serializer=stagemesh_dot_v1_dot_router__pb2.GenerateResponse.SerializeToString,
+            ),
+            'GenerateBatch': grpc.unary_stream_rpc_method_handler(
+                    servicer.GenerateBatch,
+                    request_deserializer=stagemesh_dot_v1_dot_router__pb2.GenerateBatchRequest.FromString,
+                    response_serializer=stagemesh_dot_v1_dot_router__pb2.GenerateBatchResponse.SerializeToString,
             ),
             'ListChains': grpc.unary_unary_rpc_method_handler(
                     servicer.ListChains,
@@ -107,6 +125,33 @@ class Router:
             '/stagemesh.v1.Router/Generate',
             stagemesh_dot_v1_dot_router__pb2.GenerateRequest.SerializeToString,
             stagemesh_dot_v1_dot_router__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/stagemesh.v1.Router/GenerateBatch',
+            stagemesh_dot_v1_dot_router__pb2.GenerateBatchRequest.SerializeToString,
+            stagemesh_dot_v1_dot_router__pb2.GenerateBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,

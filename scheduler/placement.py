@@ -1,0 +1,373 @@
+"""Which host serves which decoder layers: pure functions, no I/O besides reading checkpoint headers.
+
+The rule of thumb: a host that holds the whole model serves it alone (no hops); otherwise the model is
+split into as few contiguous stages as fit and the remaining hosts build more replicas of that pipeline.
+Within a chain, layers are shared in proportion to host speed (subject to memory) so the slowest stage,
+which sets the chain's throughput, is as fast as it can be.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+ITEMSIZE = {"float64": 8, "float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "float8_e4m3fn": 1,
+            "int8": 1, "uint8": 1, "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "I8": 1, "U8": 1}
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def _itemsize(dtype) -> int:
+    """Bytes per element; accepts "bfloat16", torch.bfloat16 or a safetensors code like "BF16"."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in ITEMSIZE:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(ITEMSIZE)}")
+    return ITEMSIZE[name]
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**26 else f"{n / 2**20:.2f} MiB" if n >= 2**16 else f"{n:.0f} B"
+
+
+@dataclass(frozen=True)
+class ModelFootprint:
+    """What placement needs to know about a model: how many bytes each piece weighs in the serving dtype."""
+
+    num_layers: int
+    layer_bytes: int  # one decoder layer's weights
+    embed_bytes: int  # held by the first stage
+    head_bytes: int  # final norm + LM head, held by the last stage
+    kv_bytes_per_token_per_layer: int
+    tied_embeddings: bool = False  # then a single stage holds one tensor for both embed and head
+
+    @property
+    def total_bytes(self) -> int:
+        return self.stage_bytes(0, self.num_layers)
+
+    def stage_bytes(self, start: int, end: int) -> int:
+        """Weight bytes of a stage serving layers [start, end)."""
+        first, last = start == 0, end == self.num_layers
+        shared = self.embed_bytes if first and last and self.tied_embeddings else 0
+        return (end - start) * self.layer_bytes + first * self.embed_bytes + last * self.head_bytes - shared
+
+    @classmethod
+    def from_config(cls, config: Mapping, dtype=None) -> ModelFootprint:
+        """Sizes from a Hugging Face config.json dict (Llama/Mistral/Qwen2 layout, as stage_server.model builds)."""
+        family = config.get("model_type", "llama")
+        h, inter, heads = config["hidden_size"], config["intermediate_size"], config["num_attention_heads"]
+        kv_heads = config.get("num_key_value_heads") or heads
+        head_dim = config.get("head_dim") or h // heads
+        q, kv, vocab = heads * head_dim, kv_heads * head_dim, config["vocab_size"]
+        attn_bias = family == "qwen2" or bool(config.get("attention_bias"))
+        mlp_bias = family == "llama" and bool(config.get("mlp_bias"))
+        layer = 2 * h * q + 2 * h * kv + 3 * h * inter + 2 * h  # q, o, k, v, gate/up/down, two norms
+        layer += (q + 2 * kv) * attn_bias + h * (attn_bias and family == "llama") + (2 * inter + h) * mlp_bias
+        size = _itemsize(dtype or config.get("dtype") or config.get("torch_dtype") or "float32")
+        return cls(num_layers=config["num_hidden_layers"], layer_bytes=layer * size, embed_bytes=vocab * h * size,
+                   head_bytes=(h + vocab * h) * size, kv_bytes_per_token_per_layer=2 * kv * size,
+                   tied_embeddings=bool(config.get("tie_word_embeddings")))
+
+    @classmethod
+    def from_model_dir(cls, path: str | Path, dtype=None) -> ModelFootprint:
+        """Sizes from config.json and the safetensors headers (no tensor is read), scaled to `dtype`
+        (default: as stored)."""
+        path = Path(path)
+        config = json.loads((path / "config.json").read_text())
+        index = path / "model.safetensors.index.json"
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else [
+            "model.safetensors"]
+        tensors: dict[str, tuple[int, str]] = {}
+        for fname in files:
+            with open(path / fname, "rb") as f:
+                header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+            header.pop("__metadata__", None)
+            tensors |= {name: (math.prod(t["shape"]), t["dtype"]) for name, t in header.items()}
+        layers: dict[int, int] = {}
+        embed = head = 0
+        for name, (numel, code) in tensors.items():
+            nbytes = numel * _itemsize(dtype or code)
+            if m := _LAYER.match(name):
+                layers[int(m[1])] = layers.get(int(m[1]), 0) + nbytes
+            elif name == "model.embed_tokens.weight":
+                embed = nbytes
+            elif name in ("model.norm.weight", "lm_head.weight"):
+                head += nbytes
+        tied = bool(config.get("tie_word_embeddings")) and "lm_head.weight" not in tensors
+        if sorted(layers) != list(range(config["num_hidden_layers"])):
+            raise ValueError(f"{path}: checkpoint layers {sorted(layers)} do not match num_hidden_layers")
+        kv = ModelFootprint.from_config(config, dtype or tensors["model.embed_tokens.weight"][1])
+        return cls(num_layers=len(layers), layer_bytes=max(layers.values()), embed_bytes=embed,
+                   head_bytes=head + embed * tied, kv_bytes_per_token_per_layer=kv.kv_bytes_per_token_per_layer,
+                   tied_embeddings=tied)
+
+
+@dataclass(frozen=True)
+class Host:
+    host_id: str
+    memory_bytes: int  # budget for weights + KV cache
+    speed: float = 1.0  # relative throughput; a weak host has < 1
+    fixed_layers: tuple[int, int] | None = None  # started with --layers A:B: serves exactly that
+
+
+@dataclass(frozen=True)
+class PlacementConfig:
+    kv_headroom_fraction: float = 0.2  # share of each host's memory kept for the KV cache
+    max_stages: int = 8  # longest chain allowed: every hop adds latency
+    min_kv_tokens: int = 0  # KV positions each held layer must also fit, on top of the headroom share
+    head_cost_layers: float = 1.0  # time of final norm + LM head, in decoder layers
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    host_id: str
+    layer_start: int
+    layer_end: int
+
+
+@dataclass
+class ChainPlan:
+    stages: list[StagePlan]
+
+    @property
+    def host_ids(self) -> list[str]:
+        return [s.host_id for s in self.stages]
+
+
+@dataclass
+class Plan:
+    chains: list[ChainPlan]
+    spare: list[str]  # hosts serving nothing: waiting capacity
+    explanation: str
+
+    def assignments(self) -> dict[str, tuple[int, int]]:
+        return {s.host_id: (s.layer_start, s.layer_end) for c in self.chains for s in c.stages}
+
+
+def usable_bytes(host: Host, config: PlacementConfig) -> int:
+    """Memory a host may fill with weights: the rest is kept for the KV cache."""
+    return int(host.memory_bytes * (1 - config.kv_headroom_fraction))
+
+
+def _max_layers(model: ModelFootprint, config: PlacementConfig, host: Host, first: bool, last: bool) -> int:
+    """How many decoder layers the host holds in this position (the first carries embed, the last the head)."""
+    room = usable_bytes(host, config) - model.embed_bytes * first - model.head_bytes * last
+    room += model.embed_bytes * (first and last and model.tied_embeddings)
+    per_layer = model.layer_bytes + config.min_kv_tokens * model.kv_bytes_per_token_per_layer
+    return -1 if room < 0 else model.num_layers if per_layer == 0 else room // per_layer
+
+
+def _orders(hosts: list[Host]) -> list[list[Host]]:
+    """Candidate orders: every choice of first and last host (they carry embed/head), the middle by id."""
+    if len(hosts) == 1:
+        return [hosts]
+    return [[f, *[h for h in hosts if h not in (f, la)], la] for f in hosts for la in hosts if f is not la]
+
+
+def _caps(model, config, order: list[Host], lo: int, hi: int) -> list[int] | None:
+    """Most layers each host can take in this order, or None if together they cannot hold [lo, hi)."""
+    k, n = len(order), hi - lo
+    caps = [min(n, _max_layers(model, config, h, lo == 0 and i == 0, hi == model.num_layers and i == k - 1))
+            for i, h in enumerate(order)]
+    return caps if n >= k and min(caps) >= 1 and sum(caps) >= n else None
+
+
+def _split_ordered(model, config, order: list[Host], lo: int, hi: int) -> tuple[list[StagePlan], float] | None:
+    """Layer counts for a fixed host order that minimise the slowest stage time ((layers + head) / speed)."""
+    k, n, caps = len(order), hi - lo, _caps(model, config, order, lo, hi)
+    extra = [config.head_cost_layers if hi == model.num_layers and i == k - 1 else 0.0 for i in range(k)]
+    if caps is None:
+        return None
+
+    def bounds(t: float) -> list[int]:
+        return [min(c, math.floor(t * h.speed - e + 1e-9)) for c, h, e in zip(caps, order, extra, strict=True)]
+
+    times = sorted({(m + e) / h.speed for c, h, e in zip(caps, order, extra, strict=True) for m in range(1, c + 1)})
+    a, b = 0, len(times) - 1  # the largest time is feasible: every host at its cap
+    while a < b:
+        mid = (a + b) // 2
+        ok = min(bounds(times[mid])) >= 1 and sum(bounds(times[mid])) >= n
+        a, b = (a, mid) if ok else (mid + 1, b)
+    counts = bounds(times[a])
+    while sum(counts) > n:  # trim the slowest stages until the counts cover [lo, hi) exactly
+        i = max((j for j in range(k) if counts[j] > 1), key=lambda j: ((counts[j] + extra[j]) / order[j].speed, -j))
+        counts[i] -= 1
+    stages, start = [], lo
+    for h, c in zip(order, counts, strict=True):
+        stages.append(StagePlan(h.host_id, start, start + c))
+        start += c
+    return stages, max((c + e) / h.speed for c, e, h in zip(counts, extra, order, strict=True))
+
+
+def split_layers(model, config, hosts: list[Host], lo: int = 0, hi: int | None = None) -> list[StagePlan] | None:
+    """Best contiguous split of layers [lo, hi) over exactly these hosts, or None if they cannot hold it."""
+    hi = model.num_layers if hi is None else hi
+    best = None
+    for order in _orders(sorted(hosts, key=lambda h: h.host_id)):
+        found = _split_ordered(model, config, order, lo, hi)
+        if found and (best is None or found[1] < best[1] - 1e-9):
+            best = found
+    return best and best[0]
+
+
+def _can_hold(model, config, hosts: list[Host], lo: int, hi: int) -> bool:
+    return any(_caps(model, config, order, lo, hi) for order in _orders(hosts))
+
+
+def _pick_hosts(model, config, pool: list[Host], lo: int, hi: int, limit: int) -> list[Host] | None:
+    """Fewest hosts that hold [lo, hi): the largest first, then the smallest one that completes the set,
+    so big hosts stay free for more chains. Ties go to the faster host, then the smaller id."""
+    rest = sorted(pool, key=lambda h: (-usable_bytes(h, config), -h.speed, h.host_id))
+    chosen: list[Host] = []
+    while rest and len(chosen) < limit:
+        done = [h for h in rest if _can_hold(model, config, [*chosen, h], lo, hi)]
+        if done:
+            return [*chosen, min(done, key=lambda h: (usable_bytes(h, config), -h.speed, h.host_id))]
+        chosen.append(rest.pop(0))
+    return None
+
+
+def _balance(model, config, groups: list[list[Host]]) -> list[list[Host]]:
+    """Deal same-size chains' hosts out again in snake order by speed (fast with slow), so chains run at
+    similar speeds; kept only if that narrows the spread of chain speeds and memory still fits."""
+    dealt: list[list[Host]] = [[] for _ in groups]
+    for i, h in enumerate(sorted((h for g in groups for h in g), key=lambda h: (-h.speed, h.host_id))):
+        r, c = divmod(i, len(groups))
+        dealt[c if r % 2 == 0 else len(groups) - 1 - c].append(h)
+
+    def spread(gs: list[list[Host]]) -> float:
+        return max(sum(h.speed for h in g) for g in gs) - min(sum(h.speed for h in g) for g in gs)
+
+    ok = all(_can_hold(model, config, g, 0, model.num_layers) for g in dealt)
+    return dealt if len(groups) > 1 and ok and spread(dealt) < spread(groups) - 1e-9 else groups
+
+
+def _still_valid(model, config, chain: ChainPlan, by_id: dict[str, Host]) -> bool:
+    """A previous chain survives if its hosts are all here, still hold their ranges and still cover the model."""
+    stages, n = chain.stages, model.num_layers
+    if not stages or stages[0].layer_start != 0 or stages[-1].layer_end != n or len(stages) > config.max_stages:
+        return False
+    for i, s in enumerate(stages):
+        h = by_id.get(s.host_id)
+        if h is None or (h.fixed_layers and tuple(h.fixed_layers) != (s.layer_start, s.layer_end)):
+            return False
+        if i and stages[i - 1].layer_end != s.layer_start or s.layer_end <= s.layer_start:
+            return False
+        if _max_layers(model, config, h, i == 0, s.layer_end == n) < s.layer_end - s.layer_start:
+            return False
+    return True
+
+
+def _describe(model, config, chain: ChainPlan, by_id: dict[str, Host]) -> list[str]:
+    """One line per stage: range, memory use, estimated time (layer-units / speed) and its share."""
+    n = model.num_layers
+    times = [((s.layer_end - s.layer_start) + config.head_cost_layers * (s.layer_end == n)) / by_id[s.host_id].speed
+             for s in chain.stages]
+    lines, slowest = [], max(times) if len(times) > 1 else None
+    for s, t in zip(chain.stages, times, strict=True):
+        h, parts = by_id[s.host_id], ["embed"] * (s.layer_start == 0) + ["head"] * (s.layer_end == n)
+        lines.append(f"    {s.host_id}: layers {s.layer_start}:{s.layer_end} ({s.layer_end - s.layer_start}"
+                     f"{''.join(', ' + p for p in parts)}), speed {h.speed:g}, "
+                     f"{_gib(model.stage_bytes(s.layer_start, s.layer_end))} of {_gib(usable_bytes(h, config))} "
+                     f"usable, est. time {t:.2f} ({t / sum(times):.0%}){' <- slowest' * (t == slowest)}")
+    return lines
+
+
+def _fixed_chains(model, config, fixed_hosts: list[Host], free: list[Host], notes: list[str]):
+    """Chains around hosts started with fixed ranges, the missing ranges filled from `free`.
+    Returns (chains with reasons, free hosts left)."""
+    n, groups, chains = model.num_layers, [], []
+    for h in sorted(fixed_hosts, key=lambda h: (h.fixed_layers, h.host_id)):
+        a, b = h.fixed_layers
+        if not 0 <= a < b <= n:
+            notes.append(f"fixed host {h.host_id} ({a}:{b}) is outside the model's 0:{n}; left out")
+        elif g := next((g for g in groups if g[-1].fixed_layers[1] == a), None):
+            g.append(h)  # joins a group whose range ends where this one begins
+        else:
+            groups.append([h])
+    for g in groups:
+        fixed = [StagePlan(h.host_id, *h.fixed_layers) for h in g]
+        before, after, pool = [], [], list(free)
+        for lo, hi in ((0, fixed[0].layer_start), (fixed[-1].layer_end, n)):
+            if lo == hi:
+                continue
+            picked = _pick_hosts(model, config, pool, lo, hi, config.max_stages - len(g) - len(before))
+            if picked is None:
+                notes.append(f"fixed {', '.join(f'{s.host_id} ({s.layer_start}:{s.layer_end})' for s in fixed)} "
+                             f"could not be completed: layers {lo}:{hi} need {_gib(model.stage_bytes(lo, hi))}, "
+                             f"the free hosts hold {_gib(sum(usable_bytes(h, config) for h in pool))} usable; "
+                             "left out")
+                break
+            stages = split_layers(model, config, picked, lo, hi)
+            before, after = (stages, after) if lo == 0 else (before, stages)
+            pool = [h for h in pool if h not in picked]
+        else:
+            helpers = ", ".join(s.host_id for s in before + after)
+            chains.append((ChainPlan(before + fixed + after), f"built around fixed {', '.join(h.host_id for h in g)}"
+                           + (f", completed with {helpers}" if helpers else "")))
+            free = pool
+    return chains, free
+
+
+def _explain(model, config, hosts, chains, spare, free, notes) -> str:
+    """Why this many chains and stages, why these splits, who is spare, and what is missing if nothing fits."""
+    by_id, headroom = {h.host_id: h for h in hosts}, config.kv_headroom_fraction
+    lines = [f"model: {model.num_layers} layers, {_gib(model.total_bytes)} of weights (layer "
+             f"{_gib(model.layer_bytes)}, embed {_gib(model.embed_bytes)}, head {_gib(model.head_bytes)}); each host "
+             f"keeps {headroom:.0%} of its memory for the KV cache",
+             f"{len(chains)} chain(s) over {len(hosts) - len(spare)} of {len(hosts)} host(s); layers are shared in "
+             "proportion to speed within memory, est. time = (layers + head) / speed"]
+    for i, (c, why) in enumerate(chains):
+        lines += [f"  chain {i}: {why}", *_describe(model, config, c, by_id)]
+    lines += [f"  {note}" for note in notes]
+    if spare:
+        left = [h for h in free if h.host_id in spare]
+        lines.append(f"spare: {', '.join(spare)}" + (
+            f" (free ones hold {_gib(sum(usable_bytes(h, config) for h in left))} usable together, not enough "
+            f"for another chain of at most {config.max_stages} stages)" if left and chains else ""))
+    if not chains:
+        top = sorted((usable_bytes(h, config) for h in free), reverse=True)[: config.max_stages]
+        need = model.total_bytes
+        lines.append(f"no chain fits: model needs {_gib(need)} ({_gib(need / (1 - headroom))} of memory with "
+                     f"{headroom:.0%} KV headroom); " + (f"largest host holds {_gib(top[0])} usable, the largest "
+                     f"{len(top)} together {_gib(sum(top))}; " if top else "there are no free hosts; ")
+                     + "add a host or memory")
+    return "\n".join(lines)
+
+
+def plan(model: ModelFootprint, hosts: list[Host], config: PlacementConfig | None = None,
+         previous: Plan | None = None) -> Plan:
+    """Chains of (host, layer range) for these hosts; keeps `previous` chains that are still intact, so a
+    re-plan after a host leaves only touches its chain."""
+    config = config or PlacementConfig()
+    hosts = sorted(hosts, key=lambda h: h.host_id)
+    by_id = {h.host_id: h for h in hosts}
+    if len(by_id) != len(hosts) or any(h.speed <= 0 for h in hosts):
+        raise ValueError("host ids must be unique and speeds positive")
+    chains = [(c, "kept from the previous plan: its hosts are all still here")
+              for c in (previous.chains if previous else []) if _still_valid(model, config, c, by_id)]
+    used = {s.host_id for c, _ in chains for s in c.stages}
+    notes: list[str] = []
+    fixed_chains, free = _fixed_chains(model, config, [h for h in hosts if h.fixed_layers and h.host_id not in used],
+                                       [h for h in hosts if not h.fixed_layers and h.host_id not in used], notes)
+    chains += fixed_chains
+
+    groups: list[list[Host]] = []
+    while picked := _pick_hosts(model, config, free, 0, model.num_layers, config.max_stages):
+        groups.append(picked)
+        free = [h for h in free if h not in picked]
+    biggest = max((usable_bytes(h, config) for h in hosts), default=0)
+    for k in sorted({len(g) for g in groups}):
+        for g in _balance(model, config, [g for g in groups if len(g) == k]):
+            why = (f"1 stage: the whole model ({_gib(model.total_bytes)}) fits in {g[0].host_id}'s "
+                   f"{_gib(usable_bytes(g[0], config))} usable" if k == 1 else
+                   f"{k} stages: the fewest free hosts that hold the model ({_gib(model.total_bytes)}; "
+                   f"largest host holds {_gib(biggest)} usable)")
+            chains.append((ChainPlan(split_layers(model, config, g)), why))
+
+    serving = {s.host_id for c, _ in chains for s in c.stages}
+    spare = [h.host_id for h in hosts if h.host_id not in serving]
+    explanation = _explain(model, config, hosts, chains, spare, free, notes)
+    return Plan([c for c, _ in chains], spare, explanation)
