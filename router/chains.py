@@ -14,6 +14,7 @@ from router.chain_client import Chain, StageEndpoint
 from stagemesh.v1 import stage_pb2, stage_pb2_grpc
 
 log = logging.getLogger("stagemesh.router")
+STAGE_SERVICE = stage_pb2.DESCRIPTOR.services_by_name["Stage"].full_name
 
 
 class NoUsableChain(RuntimeError):
@@ -65,7 +66,7 @@ class ChainSet:
         try:
             for stage in chain.stages:
                 reply = await health_pb2_grpc.HealthStub(stage.channel).Check(
-                    health_pb2.HealthCheckRequest(service=""), timeout=timeout
+                    health_pb2.HealthCheckRequest(service=STAGE_SERVICE), timeout=timeout
                 )
                 if reply.status != health_pb2.HealthCheckResponse.SERVING:
                     return False

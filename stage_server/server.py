@@ -9,8 +9,10 @@ import signal
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import psutil
 import torch
+from grpc_health.v1 import health_pb2
 
 from stage_server.batcher import BatcherConfig, StepBatcher
 from stage_server.kv_pool import KVPool
@@ -29,7 +31,8 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 class StageConfig:
     model: str
     """Local Hugging Face checkpoint directory (config.json + safetensors)."""
-    layer_start: int
+    layer_start: int | None = None
+    """None: wait for the scheduler to assign a range (needs a registry)."""
     layer_end: int | None = None
     """None: through the last layer."""
     host: str = "127.0.0.1"
@@ -73,74 +76,127 @@ def default_kv_bytes(device: torch.device) -> int:
     return psutil.virtual_memory().available // 4
 
 
+class StageSlot(stage_pb2_grpc.StageServicer):
+    """The Stage service of a server that may not hold layers yet (waiting for the scheduler to
+    assign a range) or may be reloading: it hands calls to the current StageService or says why not."""
+
+    def __init__(self) -> None:
+        self.current: StageService | None = None
+
+    async def _service(self, context) -> StageService:
+        if self.current is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                "this stage holds no layers yet: it is waiting for the scheduler to assign a range")
+        return self.current
+
+    async def OpenSession(self, request, context):
+        return await (await self._service(context)).OpenSession(request, context)
+
+    async def CloseSession(self, request, context):
+        return await (await self._service(context)).CloseSession(request, context)
+
+    async def Forward(self, request_iterator, context):
+        async for response in (await self._service(context)).Forward(request_iterator, context):
+            yield response
+
+    async def Info(self, request, context):
+        return await (await self._service(context)).Info(request, context)
+
+
 class StageServer:
-    def __init__(self, config: StageConfig, model: StageModel):
+    """A gRPC server that is up (and alive for the registry) before it holds layers; load() then
+    activate() give it a slice. Health: "" is SERVING while the process lives, SERVICE_NAME only
+    while a slice is loaded and serving."""
+
+    def __init__(self, config: StageConfig):
         self.config = config
-        self.model = model
-        args = model.args
-        kv_bytes = (
-            int(config.kv_cache_gb * 2**30) if config.kv_cache_gb else default_kv_bytes(model.device)
-        )
-        self.pool = KVPool(kv_bytes, len(model.layers), args.num_kv_heads, args.head_dim, model.dtype,
-                           model.device)
-        self.sessions = SessionTable(self.pool, args.max_position)
-        self.batcher = StepBatcher(
-            model, BatcherConfig(config.batch_window_ms / 1000, config.max_batch_tokens)
-        )
+        self.device = resolve_device(config.device)
         self.server = grpc_server.new_server()
-        self.service = StageService(model, self.sessions, self.batcher, Path(config.model).name)
-        stage_pb2_grpc.add_StageServicer_to_server(self.service, self.server)
+        self.slot = StageSlot()
+        stage_pb2_grpc.add_StageServicer_to_server(self.slot, self.server)
         self.health = grpc_server.add_health_and_reflection(self.server, [SERVICE_NAME])
         self.port = grpc_server.bind(self.server, config.host, config.port)
+        self.model: StageModel | None = None
+        self.pool: KVPool | None = None
+        self.sessions: SessionTable | None = None
+        self.batcher: StepBatcher | None = None
         self._reaper: asyncio.Task | None = None
 
     @property
     def address(self) -> str:
         return f"{self.config.host}:{self.port}"
 
-    async def start(self) -> None:
-        await self.server.start()
+    @property
+    def layers(self) -> tuple[int, int] | None:
+        return (self.model.layer_start, self.model.layer_end) if self.model else None
+
+    def load(self, layer_start: int, layer_end: int | None) -> StageModel:
+        """Reads the slice's weights (blocking: call it off the event loop when serving)."""
+        if self.config.threads:
+            torch.set_num_threads(self.config.threads)
+        return load_stage(self.config.model, layer_start, layer_end, dtype=TORCH_DTYPES[self.config.dtype],
+                          device=self.device)
+
+    async def activate(self, model: StageModel) -> None:
+        """Serves model from now on; sessions of a previous slice are closed."""
+        await self.deactivate()
+        config, args = self.config, model.args
+        kv_bytes = int(config.kv_cache_gb * 2**30) if config.kv_cache_gb else default_kv_bytes(model.device)
+        self.pool = KVPool(kv_bytes, len(model.layers), args.num_kv_heads, args.head_dim, model.dtype, model.device)
+        self.sessions = SessionTable(self.pool, args.max_position)
+        self.batcher = StepBatcher(model, BatcherConfig(config.batch_window_ms / 1000, config.max_batch_tokens))
         self.batcher.start()
-        self._reaper = asyncio.get_running_loop().create_task(self._reap_idle())
+        self.model = model
+        self.slot.current = StageService(model, self.sessions, self.batcher, Path(config.model).name)
         await grpc_server.set_serving(self.health, [SERVICE_NAME], True)
         log.info(
-            f"stage serving layers {self.model.layer_start}:{self.model.layer_end} of "
-            f"{self.model.args.num_layers} on {self.address} ({self.model.dtype}, {self.model.device})",
+            f"stage serving layers {model.layer_start}:{model.layer_end} of {args.num_layers} on {self.address} "
+            f"({model.dtype}, {model.device})",
             extra={"stage": self.address},
         )
+
+    async def deactivate(self) -> None:
+        await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.slot.current = None
+        if self.batcher:
+            await self.batcher.stop()
+        if self.sessions:
+            for sid in list(self.sessions.sessions):
+                self.sessions.close(sid)
+        self.model = None
+
+    async def start(self, model: StageModel | None = None) -> None:
+        """Starts serving: model's slice at once if given, else nothing until activate()."""
+        await self.server.start()
+        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self._reaper = asyncio.get_running_loop().create_task(self._reap_idle())
+        if model is not None:
+            await self.activate(model)
 
     async def stop(self, grace: float | None = 1.0) -> None:
         await grpc_server.set_serving(self.health, [SERVICE_NAME], False)
         if self._reaper:
             self._reaper.cancel()
         await self.server.stop(grace)
-        await self.batcher.stop()
-        for sid in list(self.sessions.sessions):
-            self.sessions.close(sid)
-
-    async def wait(self) -> None:
-        await self.server.wait_for_termination()
+        await self.deactivate()
 
     async def _reap_idle(self) -> None:
         period = min(5.0, self.config.session_timeout_s / 2)
         while True:
             await asyncio.sleep(period)
+            if self.sessions is None:
+                continue
             for sid in self.sessions.expire_idle(self.config.session_timeout_s):
                 log.info("session expired", extra={"session_id": sid})
 
 
-def build_stage(config: StageConfig) -> StageServer:
-    if config.threads:
-        torch.set_num_threads(config.threads)
-    device = resolve_device(config.device)
-    model = load_stage(config.model, config.layer_start, config.layer_end,
-                       dtype=TORCH_DTYPES[config.dtype], device=device)
-    return StageServer(config, model)
-
-
 async def serve(config: StageConfig) -> None:
-    server = build_stage(config)
-    await server.start()
+    server = StageServer(config)
+    model = None
+    if config.layer_start is not None:
+        model = await asyncio.to_thread(server.load, config.layer_start, config.layer_end)
+    await server.start(model)
     print(f"stage ready on {server.address}", flush=True)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()

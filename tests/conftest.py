@@ -16,7 +16,7 @@ torch.set_num_threads(2)
 
 from router.server import RouterConfig, RouterServer  # noqa: E402
 from scripts.make_tiny_model import make_tiny_model  # noqa: E402
-from stage_server.server import StageConfig, StageServer, build_stage  # noqa: E402
+from stage_server.server import StageConfig, StageServer  # noqa: E402
 from stagemesh import grpc_server  # noqa: E402
 from stagemesh.v1 import router_pb2_grpc, stage_pb2_grpc  # noqa: E402
 
@@ -82,9 +82,9 @@ async def start_mesh(model: Path, chains: list[list[tuple[int, int]]], *, router
     for layout in chains:
         servers = []
         for start, end in layout:
-            server = build_stage(StageConfig(model=str(model), layer_start=start, layer_end=end, kv_cache_gb=1.0,
+            server = StageServer(StageConfig(model=str(model), layer_start=start, layer_end=end, kv_cache_gb=1.0,
                                              **(stage_options or {})))
-            await server.start()
+            await server.start(server.load(start, end))
             servers.append(server)
         mesh.stages.append(servers)
     if router:

@@ -191,7 +191,7 @@ async def test_waiting_past_the_class_timeout_is_refused_clearly(tiny_model):
 
 
 async def test_two_hundred_mixed_streams_complete_and_leave_nothing_behind(tiny_model):
-    admission = AdmissionConfig(slots_per_chain=16, limits={
+    admission = AdmissionConfig(slots_per_chain=8, limits={
         "high": ClassLimits(max_wait_s=120), "normal": ClassLimits(max_wait_s=120),
         "batch": ClassLimits(max_wait_s=120)})
     mesh = await start_mesh(tiny_model, [splits(4, 4), splits(4, 4)], router_options={"admission": admission})
@@ -207,7 +207,8 @@ async def test_two_hundred_mixed_streams_complete_and_leave_nothing_behind(tiny_
         assert all(isinstance(f, grpc.aio.AioRpcError) and f.details() for f in failures)
         assert len(failures) == 0
         by_class = {p: [r[0] for r, q in zip(results, priorities, strict=True) if q == p] for p in (1, 0)}
-        assert statistics.median(by_class[1]) <= 0.5 * statistics.median(by_class[0])
+        high, normal = statistics.median(by_class[1]), statistics.median(by_class[0])
+        assert high <= 0.5 * normal, f"median time to first token: high {high:.3f}s, normal {normal:.3f}s"
         await assert_all_sessions_closed(mesh)
     finally:
         await mesh.stop()

@@ -1,0 +1,379 @@
+"""The embedded registry: the state, in memory and pure asyncio, and its gRPC client.
+
+EmbeddedRegistry lives in the scheduler process (registry_service.py serves it); stage servers and
+routers elsewhere use EmbeddedRegistryClient, whose watches wait on the server, not by polling.
+Nothing is persisted: after a registry restart heartbeat() returns False, so registrants register
+again, and the scheduler rewrites its keys. Indexes start at the wall clock in milliseconds, above
+anything a previous run handed out, so a watcher holding an old index is answered at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+from scheduler.registry import (
+    MAX_WAIT_S,
+    KVEntry,
+    RegistryError,
+    ServiceRecord,
+    ServiceStatus,
+    check_key,
+)
+from stagemesh import grpc_server
+from stagemesh.v1 import registry_pb2, registry_pb2_grpc
+
+
+@dataclass
+class _Service:
+    record: ServiceRecord
+    ttl_s: float
+    deregister_after_s: float
+    deadline: float
+    """time.monotonic() after which it is critical without a heartbeat."""
+    passing: bool = True
+
+
+@dataclass
+class _Entry:
+    value: bytes
+    modify_index: int
+    holder: str | None = None
+    """Set while the key is a held lock; the lease ends at expires."""
+    ttl_s: float = 0.0
+    expires: float = 0.0
+
+
+def _check_ttl(name: str, seconds: float) -> None:
+    if not seconds > 0:
+        raise ValueError(f"{name} must be positive seconds, got {seconds!r}")
+
+
+class EmbeddedRegistry:
+    """Implements scheduler.registry.Registry in process. Use it from one event loop; close() it."""
+
+    def __init__(self) -> None:
+        self._index = self._start_index = int(time.time() * 1000)
+        self._services: dict[str, _Service] = {}
+        self._services_index = self._start_index
+        self._kv: dict[str, _Entry] = {}
+        self._tombstones: dict[str, int] = {}  # key -> index of its deletion, so watches of it wake
+        self._changed = asyncio.Event()  # replaced on every change: watchers await the one they saw
+        self._wake_reaper = asyncio.Event()
+        self._reaper: asyncio.Task | None = None
+
+    # Changes, waits and expiry
+
+    def _bump(self) -> int:
+        self._index += 1
+        self._changed.set()
+        self._changed = asyncio.Event()
+        return self._index
+
+    async def _wait(self, index: int, timeout_s: float, current: Callable[[], int]) -> None:
+        """Returns once current() moved off index, or after timeout_s; at once for index 0."""
+        deadline = time.monotonic() + min(max(timeout_s, 0.0), MAX_WAIT_S)
+        while index > 0 and current() == index:
+            changed = self._changed
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), remaining)
+
+    def _start_reaper(self) -> None:
+        self._wake_reaper.set()
+        if self._reaper is None or self._reaper.done():
+            self._reaper = asyncio.get_running_loop().create_task(self._reap_forever(), name="registry-reaper")
+
+    async def _reap_forever(self) -> None:
+        """Sleeps until the next deadline (or a new, maybe earlier one) and applies what is due."""
+        while True:
+            self._wake_reaper.clear()
+            next_at = self._reap(time.monotonic())
+            delay = None if next_at is None else max(0.0, next_at - time.monotonic())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake_reaper.wait(), delay)
+
+    def _reap(self, now: float) -> float | None:
+        """Marks late services critical, removes long-critical ones, frees expired locks; returns the
+        time of the next such event."""
+        upcoming, changed = [], False
+        for service_id, s in list(self._services.items()):
+            if s.passing and now >= s.deadline:
+                s.passing, changed = False, True
+            if not s.passing and now >= s.deadline + s.deregister_after_s:
+                del self._services[service_id]
+                changed = True
+            else:
+                upcoming.append(s.deadline if s.passing else s.deadline + s.deregister_after_s)
+        if changed:
+            self._services_index = self._bump()
+        for key, entry in list(self._kv.items()):
+            if entry.holder is not None:
+                if now >= entry.expires:
+                    self._delete(key)
+                else:
+                    upcoming.append(entry.expires)
+        return min(upcoming, default=None)
+
+    async def close(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+
+    # Services
+
+    async def register(self, record: ServiceRecord, ttl_s: float, deregister_after_s: float | None = None) -> None:
+        record.validate()
+        _check_ttl("ttl_s", ttl_s)
+        after = 3 * ttl_s if deregister_after_s is None else deregister_after_s
+        _check_ttl("deregister_after_s", after)
+        self._services[record.service_id] = _Service(record.copy(), ttl_s, after, time.monotonic() + ttl_s)
+        self._services_index = self._bump()
+        self._start_reaper()
+
+    async def heartbeat(self, service_id: str) -> bool:
+        s = self._services.get(service_id)
+        if s is None:
+            return False
+        s.deadline = time.monotonic() + s.ttl_s
+        if not s.passing:
+            s.passing = True
+            self._services_index = self._bump()
+        return True
+
+    async def deregister(self, service_id: str) -> None:
+        if self._services.pop(service_id, None) is not None:
+            self._services_index = self._bump()
+
+    async def services(self, model: str | None = None) -> list[ServiceStatus]:
+        return [ServiceStatus(s.record.copy(), s.passing) for _, s in sorted(self._services.items())
+                if model is None or s.record.model == model]
+
+    async def watch_services(self, index: int, timeout_s: float,
+                             model: str | None = None) -> tuple[int, list[ServiceStatus]]:
+        await self._wait(index, timeout_s, lambda: self._services_index)
+        return self._services_index, await self.services(model)
+
+    # KV
+
+    def _set(self, key: str, value: bytes) -> _Entry:
+        index = self._bump()
+        entry = self._kv.get(key)
+        if entry is None:
+            entry = self._kv[key] = _Entry(value, index)
+        else:
+            entry.value, entry.modify_index = value, index
+        self._tombstones.pop(key, None)
+        return entry
+
+    def _delete(self, key: str) -> None:
+        if self._kv.pop(key, None) is not None:
+            self._tombstones[key] = self._bump()
+
+    def _key_index(self, key: str) -> int:
+        entry = self._kv.get(key)
+        return entry.modify_index if entry else self._tombstones.get(key, self._start_index)
+
+    def _prefix_index(self, prefix: str) -> int:
+        indexes = [e.modify_index for k, e in self._kv.items() if k.startswith(prefix)]
+        indexes += [i for k, i in self._tombstones.items() if k.startswith(prefix)]
+        return max(indexes, default=self._start_index)
+
+    def _entry(self, key: str) -> KVEntry | None:
+        entry = self._kv.get(key)
+        return KVEntry(key, entry.value, entry.modify_index) if entry else None
+
+    async def kv_get(self, key: str) -> tuple[bytes | None, int]:
+        check_key(key)
+        entry = self._kv.get(key)
+        return (entry.value, entry.modify_index) if entry else (None, 0)
+
+    async def kv_put(self, key: str, value: bytes) -> None:
+        check_key(key, value)
+        self._set(key, value)
+
+    async def kv_cas(self, key: str, value: bytes, index: int) -> bool:
+        check_key(key, value)
+        entry = self._kv.get(key)
+        if (entry.modify_index if entry else 0) != index:
+            return False
+        self._set(key, value)
+        return True
+
+    async def kv_delete(self, key: str) -> None:
+        check_key(key)
+        self._delete(key)
+
+    async def kv_list(self, prefix: str) -> list[KVEntry]:
+        return [KVEntry(k, e.value, e.modify_index) for k, e in sorted(self._kv.items()) if k.startswith(prefix)]
+
+    async def watch_key(self, key: str, index: int, timeout_s: float) -> tuple[int, KVEntry | None]:
+        check_key(key)
+        await self._wait(index, timeout_s, lambda: self._key_index(key))
+        return self._key_index(key), self._entry(key)
+
+    async def watch_prefix(self, prefix: str, index: int, timeout_s: float) -> tuple[int, list[KVEntry]]:
+        await self._wait(index, timeout_s, lambda: self._prefix_index(prefix))
+        return self._prefix_index(prefix), await self.kv_list(prefix)
+
+    # Locks: a lock is a key whose entry carries a lease; it is deleted when released or expired.
+
+    def _held(self, key: str) -> _Entry | None:
+        entry = self._kv.get(key)
+        return entry if entry and entry.holder is not None and entry.expires > time.monotonic() else None
+
+    async def acquire_lock(self, key: str, holder_id: str, ttl_s: float) -> bool:
+        check_key(key)
+        _check_ttl("ttl_s", ttl_s)
+        if not holder_id:
+            raise ValueError("holder_id must be set")
+        held = self._held(key)
+        if held is not None and held.holder != holder_id:
+            return False
+        entry = held or self._set(key, holder_id.encode())
+        entry.holder, entry.ttl_s, entry.expires = holder_id, ttl_s, time.monotonic() + ttl_s
+        self._start_reaper()
+        return True
+
+    async def renew_lock(self, key: str, holder_id: str) -> bool:
+        held = self._held(key)
+        if held is None or held.holder != holder_id:
+            return False
+        held.expires = time.monotonic() + held.ttl_s
+        return True
+
+    async def release_lock(self, key: str, holder_id: str) -> None:
+        held = self._held(key)
+        if held is not None and held.holder == holder_id:
+            self._delete(key)
+
+    async def lock_holder(self, key: str) -> str | None:
+        held = self._held(key)
+        return held.holder if held else None
+
+
+# Wire conversions, shared with registry_service.py
+
+def record_to_pb(record: ServiceRecord) -> registry_pb2.ServiceRecord:
+    return registry_pb2.ServiceRecord(service_id=record.service_id, address=record.address, model=record.model,
+                                      meta=record.meta)
+
+
+def record_from_pb(pb: registry_pb2.ServiceRecord) -> ServiceRecord:
+    return ServiceRecord(pb.service_id, pb.address, pb.model, dict(pb.meta))
+
+
+def statuses_to_pb(index: int, statuses: list[ServiceStatus]) -> registry_pb2.ServicesResponse:
+    return registry_pb2.ServicesResponse(index=index, services=[
+        registry_pb2.ServiceStatus(record=record_to_pb(s.record), passing=s.passing) for s in statuses])
+
+
+def statuses_from_pb(pb: registry_pb2.ServicesResponse) -> tuple[int, list[ServiceStatus]]:
+    return pb.index, [ServiceStatus(record_from_pb(s.record), s.passing) for s in pb.services]
+
+
+def entry_to_pb(entry: KVEntry) -> registry_pb2.KvEntry:
+    return registry_pb2.KvEntry(key=entry.key, value=entry.value, modify_index=entry.modify_index)
+
+
+def entry_from_pb(pb: registry_pb2.KvEntry) -> KVEntry:
+    return KVEntry(pb.key, pb.value, pb.modify_index)
+
+
+class EmbeddedRegistryClient:
+    """Implements scheduler.registry.Registry over the stagemesh.v1.Registry gRPC service (see
+    registry_service.py). Watches are server-side waits bounded by their timeout."""
+
+    def __init__(self, address: str, call_timeout_s: float = 5.0):
+        self.address = address
+        self.call_timeout_s = call_timeout_s
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: registry_pb2_grpc.RegistryStub | None = None
+
+    async def _call(self, method: str, request, wait_s: float = 0.0):
+        if self._stub is None:  # made on first use, inside the caller's event loop
+            self._channel = grpc_server.insecure_channel(self.address)
+            self._stub = registry_pb2_grpc.RegistryStub(self._channel)
+        try:
+            return await getattr(self._stub, method)(request, timeout=min(wait_s, MAX_WAIT_S) + self.call_timeout_s)
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise ValueError(e.details()) from e
+            raise RegistryError(f"registry {method} at {self.address} failed ({e.code().name}: {e.details()}); "
+                                f"is the scheduler that hosts the registry running there?") from e
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = self._stub = None
+
+    async def register(self, record: ServiceRecord, ttl_s: float, deregister_after_s: float | None = None) -> None:
+        record.validate()
+        _check_ttl("ttl_s", ttl_s)
+        await self._call("Register", registry_pb2.RegisterRequest(
+            record=record_to_pb(record), ttl_s=ttl_s, deregister_after_s=deregister_after_s or 0.0))
+
+    async def heartbeat(self, service_id: str) -> bool:
+        return (await self._call("Heartbeat", registry_pb2.HeartbeatRequest(service_id=service_id))).known
+
+    async def deregister(self, service_id: str) -> None:
+        await self._call("Deregister", registry_pb2.DeregisterRequest(service_id=service_id))
+
+    async def services(self, model: str | None = None) -> list[ServiceStatus]:
+        response = await self._call("ListServices", registry_pb2.ListServicesRequest(model=model or ""))
+        return statuses_from_pb(response)[1]
+
+    async def watch_services(self, index: int, timeout_s: float,
+                             model: str | None = None) -> tuple[int, list[ServiceStatus]]:
+        request = registry_pb2.WatchServicesRequest(index=index, timeout_s=timeout_s, model=model or "")
+        return statuses_from_pb(await self._call("WatchServices", request, timeout_s))
+
+    async def kv_get(self, key: str) -> tuple[bytes | None, int]:
+        response = await self._call("KvGet", registry_pb2.KvGetRequest(key=key))
+        return (response.entry.value, response.entry.modify_index) if response.HasField("entry") else (None, 0)
+
+    async def kv_put(self, key: str, value: bytes) -> None:
+        check_key(key, value)
+        await self._call("KvPut", registry_pb2.KvPutRequest(key=key, value=value))
+
+    async def kv_cas(self, key: str, value: bytes, index: int) -> bool:
+        check_key(key, value)
+        return (await self._call("KvPut", registry_pb2.KvPutRequest(key=key, value=value, cas_index=index))).ok
+
+    async def kv_delete(self, key: str) -> None:
+        await self._call("KvDelete", registry_pb2.KvDeleteRequest(key=key))
+
+    async def kv_list(self, prefix: str) -> list[KVEntry]:
+        response = await self._call("KvList", registry_pb2.KvListRequest(prefix=prefix))
+        return [entry_from_pb(e) for e in response.entries]
+
+    async def watch_key(self, key: str, index: int, timeout_s: float) -> tuple[int, KVEntry | None]:
+        request = registry_pb2.WatchKeyRequest(key=key, index=index, timeout_s=timeout_s)
+        response = await self._call("WatchKey", request, timeout_s)
+        return response.index, entry_from_pb(response.entry) if response.HasField("entry") else None
+
+    async def watch_prefix(self, prefix: str, index: int, timeout_s: float) -> tuple[int, list[KVEntry]]:
+        request = registry_pb2.WatchPrefixRequest(prefix=prefix, index=index, timeout_s=timeout_s)
+        response = await self._call("WatchPrefix", request, timeout_s)
+        return response.index, [entry_from_pb(e) for e in response.entries]
+
+    async def acquire_lock(self, key: str, holder_id: str, ttl_s: float) -> bool:
+        request = registry_pb2.LockRequest(key=key, holder_id=holder_id, ttl_s=ttl_s)
+        return (await self._call("AcquireLock", request)).ok
+
+    async def renew_lock(self, key: str, holder_id: str) -> bool:
+        return (await self._call("RenewLock", registry_pb2.LockRequest(key=key, holder_id=holder_id))).ok
+
+    async def release_lock(self, key: str, holder_id: str) -> None:
+        await self._call("ReleaseLock", registry_pb2.LockRequest(key=key, holder_id=holder_id))
+
+    async def lock_holder(self, key: str) -> str | None:
+        return (await self._call("LockHolder", registry_pb2.LockHolderRequest(key=key))).holder_id or None

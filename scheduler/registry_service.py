@@ -1,0 +1,149 @@
+"""The stagemesh.v1.Registry gRPC service over an EmbeddedRegistry, and a server the scheduler hosts it on."""
+
+from __future__ import annotations
+
+import functools
+
+import grpc
+
+from scheduler import embedded_registry as er
+from scheduler.embedded_registry import EmbeddedRegistry
+from stagemesh import grpc_server
+from stagemesh.v1 import registry_pb2, registry_pb2_grpc
+
+SERVICE_NAME = registry_pb2.DESCRIPTOR.services_by_name["Registry"].full_name
+
+
+def _invalid_argument(handler):
+    """ValueError from the registry (a bad key, record or ttl) is the caller's fault: INVALID_ARGUMENT."""
+
+    @functools.wraps(handler)
+    async def wrapped(self, request, context):
+        try:
+            return await handler(self, request, context)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+    return wrapped
+
+
+class RegistryService(registry_pb2_grpc.RegistryServicer):
+    """Thin: every RPC is one EmbeddedRegistry call; watches wait here, on the server."""
+
+    def __init__(self, registry: EmbeddedRegistry):
+        self.registry = registry
+
+    @_invalid_argument
+    async def Register(self, request, context):
+        await self.registry.register(er.record_from_pb(request.record), request.ttl_s,
+                                     request.deregister_after_s or None)
+        return registry_pb2.RegisterResponse()
+
+    async def Heartbeat(self, request, context):
+        return registry_pb2.HeartbeatResponse(known=await self.registry.heartbeat(request.service_id))
+
+    async def Deregister(self, request, context):
+        await self.registry.deregister(request.service_id)
+        return registry_pb2.DeregisterResponse()
+
+    async def ListServices(self, request, context):
+        return er.statuses_to_pb(*await self.registry.watch_services(0, 0, request.model or None))
+
+    async def WatchServices(self, request, context):
+        return er.statuses_to_pb(*await self.registry.watch_services(request.index, request.timeout_s,
+                                                                     request.model or None))
+
+    @_invalid_argument
+    async def KvGet(self, request, context):
+        return self._get_response(*await self.registry.watch_key(request.key, 0, 0))
+
+    @_invalid_argument
+    async def KvPut(self, request, context):
+        if request.HasField("cas_index"):
+            ok = await self.registry.kv_cas(request.key, request.value, request.cas_index)
+        else:
+            await self.registry.kv_put(request.key, request.value)
+            ok = True
+        return registry_pb2.KvPutResponse(ok=ok)
+
+    @_invalid_argument
+    async def KvDelete(self, request, context):
+        await self.registry.kv_delete(request.key)
+        return registry_pb2.KvDeleteResponse()
+
+    async def KvList(self, request, context):
+        return self._list_response(*await self.registry.watch_prefix(request.prefix, 0, 0))
+
+    @_invalid_argument
+    async def WatchKey(self, request, context):
+        return self._get_response(*await self.registry.watch_key(request.key, request.index, request.timeout_s))
+
+    async def WatchPrefix(self, request, context):
+        return self._list_response(*await self.registry.watch_prefix(request.prefix, request.index, request.timeout_s))
+
+    @_invalid_argument
+    async def AcquireLock(self, request, context):
+        ok = await self.registry.acquire_lock(request.key, request.holder_id, request.ttl_s)
+        return registry_pb2.LockResponse(ok=ok)
+
+    async def RenewLock(self, request, context):
+        return registry_pb2.LockResponse(ok=await self.registry.renew_lock(request.key, request.holder_id))
+
+    async def ReleaseLock(self, request, context):
+        held = await self.registry.lock_holder(request.key) == request.holder_id
+        await self.registry.release_lock(request.key, request.holder_id)
+        return registry_pb2.LockResponse(ok=held)
+
+    async def LockHolder(self, request, context):
+        return registry_pb2.LockHolderResponse(holder_id=await self.registry.lock_holder(request.key) or "")
+
+    @staticmethod
+    def _get_response(index, entry) -> registry_pb2.KvGetResponse:
+        return registry_pb2.KvGetResponse(index=index, entry=er.entry_to_pb(entry) if entry else None)
+
+    @staticmethod
+    def _list_response(index, entries) -> registry_pb2.KvListResponse:
+        return registry_pb2.KvListResponse(index=index, entries=[er.entry_to_pb(e) for e in entries])
+
+
+def add_registry_service(server: grpc.aio.Server, registry: EmbeddedRegistry) -> RegistryService:
+    """Adds the Registry service to a server the caller owns (e.g. next to the scheduler's own service);
+    the caller lists SERVICE_NAME in its health and reflection."""
+    servicer = RegistryService(registry)
+    registry_pb2_grpc.add_RegistryServicer_to_server(servicer, server)
+    return servicer
+
+
+class RegistryServer:
+    """The embedded registry on its own gRPC server, with health and reflection (grpcurl can use it)."""
+
+    def __init__(self, registry: EmbeddedRegistry | None = None, host: str = "127.0.0.1", port: int = 0):
+        self._owns_registry = registry is None
+        self.registry = registry or EmbeddedRegistry()
+        self.host = host
+        self.server = grpc_server.new_server()
+        add_registry_service(self.server, self.registry)
+        self.health = grpc_server.add_health_and_reflection(self.server, [SERVICE_NAME])
+        self.port = grpc_server.bind(self.server, host, port)
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    async def start(self) -> None:
+        await self.server.start()
+        await grpc_server.set_serving(self.health, [SERVICE_NAME], True)
+
+    async def stop(self, grace: float | None = 1.0) -> None:
+        await grpc_server.set_serving(self.health, [SERVICE_NAME], False)
+        await self.server.stop(grace)
+        if self._owns_registry:
+            await self.registry.close()
+
+
+async def start_registry_server(host: str = "127.0.0.1", port: int = 0,
+                                registry: EmbeddedRegistry | None = None) -> RegistryServer:
+    """Starts serving the embedded registry on host:port (0: a free port); see RegistryServer.address."""
+    server = RegistryServer(registry, host, port)
+    await server.start()
+    return server
