@@ -38,6 +38,30 @@ class ChainSet:
         self._described: set[str] = set()  # chain ids whose layer ranges were read and check out
         self._notified = False
 
+    def replace(self, published) -> bool:
+        """Adopts the scheduler's chains (scheduler.chain_table.PublishedChain); a chain that stays keeps
+        its state and channels. True if anything changed."""
+        existing = {c.chain_id: c for c in self.chains}
+        wanted = [p.chain_id for p in published]
+        if wanted == list(existing):
+            return False
+        new = []
+        for p in published:
+            chain = existing.get(p.chain_id)
+            if chain is None:
+                stages = [StageEndpoint(s.address, s.layer_start, s.layer_end) for s in p.stages]
+                chain = Chain(stages, chain_id=p.chain_id, healthy=False)  # healthy after its first check
+            new.append(chain)
+        gone = [c for c in self.chains if c.chain_id not in set(wanted)]
+        self.chains = new
+        for chain in gone:
+            log.info(f"chain {chain.chain_id} ({chain.label}) withdrawn", extra={"chain": chain.chain_id})
+            if chain.in_flight == 0:
+                for stage in chain.stages:
+                    asyncio.get_running_loop().create_task(stage.close())
+        self._notify()
+        return True
+
     def usable(self) -> list[Chain]:
         return [c for c in self.chains if c.healthy]
 

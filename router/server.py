@@ -31,10 +31,17 @@ class RouterConfig:
     prefill_chunk: int = 256
     health_interval_s: float = 1.0
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    registry: str | None = None
+    """Follow the chains the scheduler publishes there instead of --chain."""
+    model_name: str = ""
+    """The model's name in the registry (default: the checkpoint directory's name)."""
 
     def __post_init__(self) -> None:
         if self.prefill_chunk < 0:
             raise ValueError("--prefill-chunk must be >= 0 (0: no chunking)")
+        if bool(self.chains) == bool(self.registry):
+            raise ValueError("give either --chain (one or more) or --registry, not both")
+        self.model_name = self.model_name or Path(self.model).name
 
 
 def eos_token_ids(model_dir: str, tokenizer, model_config) -> frozenset[int]:
@@ -73,7 +80,8 @@ class RouterServer:
         )
         router_pb2_grpc.add_RouterServicer_to_server(self.service, self.server)
         self.port = grpc_server.bind(self.server, config.host, config.port)
-        self._watch: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
+        self.registry = None
 
     @property
     def address(self) -> str:
@@ -87,13 +95,22 @@ class RouterServer:
     async def start(self) -> None:
         await self.server.start()
         await self.chains.refresh()
-        self._watch = asyncio.get_running_loop().create_task(self.chains.watch(self.config.health_interval_s))
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self.chains.watch(self.config.health_interval_s))]
+        if self.config.registry:
+            from router.chain_watch import follow_chains
+            from scheduler.registry import open_registry
+
+            self.registry = open_registry(self.config.registry)
+            self._tasks.append(loop.create_task(follow_chains(self.registry, self.config.model_name, self.chains)))
         usable = len(self.chains.usable())
         log.info(f"router on {self.address}: {usable} of {len(self.chains.chains)} chains usable")
 
     async def stop(self, grace: float | None = 1.0) -> None:
-        if self._watch:
-            self._watch.cancel()
+        for task in self._tasks:
+            task.cancel()
+        if self.registry is not None:
+            await self.registry.close()
         await grpc_server.set_serving(self.health, [SERVICE_NAME], False)
         await self.server.stop(grace)
         await self.chains.close()

@@ -49,6 +49,14 @@ class StageConfig:
     max_batch_tokens: int = 2048
     threads: int | None = None
     """torch intra-op threads; None leaves torch's default."""
+    registry: str | None = None
+    """local://HOST:PORT or consul://HOST:PORT: announce this stage there (needed without layers)."""
+    model_name: str = ""
+    """The model's name in the registry (default: the checkpoint directory's name)."""
+    memory_gb: float | None = None
+    """Memory budget announced to the scheduler (default: the memory available at start)."""
+    speed: float = 1.0
+    """Relative speed announced to the scheduler."""
 
     def __post_init__(self) -> None:
         if self.dtype not in TORCH_DTYPES:
@@ -59,6 +67,9 @@ class StageConfig:
             raise ValueError("--kv-cache-gb must be positive")
         if self.session_timeout_s <= 0:
             raise ValueError("--session-timeout must be positive")
+        if self.layer_start is None and not self.registry:
+            raise ValueError("give --layers A:B, or --registry so that the scheduler assigns a range")
+        self.model_name = self.model_name or Path(self.model).name
 
 
 def resolve_device(name: str) -> torch.device:
@@ -197,6 +208,16 @@ async def serve(config: StageConfig) -> None:
     if config.layer_start is not None:
         model = await asyncio.to_thread(server.load, config.layer_start, config.layer_end)
     await server.start(model)
+    registration = None
+    if config.registry:
+        from scheduler.registry import open_registry
+        from stage_server.registration import Registration, RegistrationConfig
+
+        budget = int(config.memory_gb * 2**30) if config.memory_gb else psutil.virtual_memory().available
+        registration = Registration(server, open_registry(config.registry),
+                                    RegistrationConfig(config.model_name, budget, config.speed),
+                                    fixed=config.layer_start is not None)
+        await registration.start()
     print(f"stage ready on {server.address}", flush=True)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -204,4 +225,6 @@ async def serve(config: StageConfig) -> None:
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    if registration:
+        await registration.stop()
     await server.stop()

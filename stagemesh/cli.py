@@ -28,19 +28,47 @@ def _run(coro) -> None:
 def cmd_stage(a: argparse.Namespace) -> None:
     from stage_server.server import StageConfig, serve
 
-    start, end = a.layers
+    start, end = a.layers or (None, None)
     _run(serve(StageConfig(
         model=a.model, layer_start=start, layer_end=end, host=a.host, port=a.port, device=a.device,
         dtype=a.dtype, kv_cache_gb=a.kv_cache_gb, session_timeout_s=a.session_timeout,
         batch_window_ms=a.batch_window_ms, max_batch_tokens=a.max_batch_tokens, threads=a.threads,
+        registry=a.registry, model_name=a.model_name, memory_gb=a.memory_gb, speed=a.speed,
     )))
 
 
 def cmd_router(a: argparse.Namespace) -> None:
+    from router.priority_queue import AdmissionConfig
     from router.server import RouterConfig, serve
 
-    _run(serve(RouterConfig(model=a.model, chains=a.chain, host=a.host, port=a.port,
-                            prefill_chunk=a.prefill_chunk)))
+    admission = AdmissionConfig(slots_per_chain=a.slots_per_chain, aging_s=a.aging)
+    _run(serve(RouterConfig(model=a.model, chains=a.chain or [], host=a.host, port=a.port,
+                            prefill_chunk=a.prefill_chunk, registry=a.registry, model_name=a.model_name,
+                            admission=admission)))
+
+
+def cmd_registry(a: argparse.Namespace) -> None:
+    from scheduler.server import serve_registry
+
+    _run(serve_registry(a.host, a.port))
+
+
+def cmd_scheduler(a: argparse.Namespace) -> None:
+    from scheduler.placement import PlacementConfig
+    from scheduler.scheduler import SchedulerConfig
+    from scheduler.server import serve_scheduler
+
+    config = SchedulerConfig(model=a.model, model_name=a.model_name, dtype=a.dtype, lock_ttl_s=a.lock_ttl,
+                             placement=PlacementConfig(kv_headroom_fraction=a.kv_headroom))
+    _run(serve_scheduler(config, a.registry, a.host, a.registry_port))
+
+
+def cmd_plan(a: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from scheduler.server import print_plan
+
+    print(asyncio.run(print_plan(a.registry, a.model_name or Path(a.model).name)))
 
 
 def cmd_up(a: argparse.Namespace) -> None:
@@ -56,7 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("stage", help="serve a slice of a model's layers")
     s.add_argument("--model", required=True, help="local Hugging Face checkpoint directory")
-    s.add_argument("--layers", type=_layers, required=True, help="A:B serves decoder layers A..B-1")
+    s.add_argument("--layers", type=_layers, default=None,
+                   help="A:B serves decoder layers A..B-1 (default: the scheduler assigns a range)")
+    s.add_argument("--registry", default=None, help="local://HOST:PORT or consul://HOST:PORT to announce this stage")
+    s.add_argument("--model-name", default="", help="the model's name in the registry (default: the directory name)")
+    s.add_argument("--memory-gb", type=float, default=None,
+                   help="memory budget announced to the scheduler (default: memory available at start)")
+    s.add_argument("--speed", type=float, default=1.0, help="relative speed announced to the scheduler")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=0, help="0 picks a free port")
     s.add_argument("--device", default="auto", help="auto, cpu or cuda")
@@ -73,12 +107,39 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("router", help="the front door: streams tokens through pipeline chains")
     r.add_argument("--model", required=True, help="local checkpoint directory (tokenizer and config)")
-    r.add_argument("--chain", action="append", required=True,
+    r.add_argument("--chain", action="append", default=None,
                    help="HOST:PORT,HOST:PORT,... in pipeline order; repeat for more chains")
+    r.add_argument("--registry", default=None, help="follow the chains the scheduler publishes there")
+    r.add_argument("--model-name", default="", help="the model's name in the registry (default: the directory name)")
+    r.add_argument("--slots-per-chain", type=int, default=32, help="streams that run at once per chain")
+    r.add_argument("--aging", type=float, default=10.0, help="seconds of waiting worth one priority class")
     r.add_argument("--host", default="127.0.0.1")
     r.add_argument("--port", type=int, default=50051)
     r.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per pipelined chunk (0: off)")
     r.set_defaults(func=cmd_router)
+
+    g = sub.add_parser("registry", help="the embedded registry on its own (one machine)")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=50050)
+    g.set_defaults(func=cmd_registry)
+
+    c = sub.add_parser("scheduler", help="place layers on the registered stages and publish chains")
+    c.add_argument("--model", required=True, help="local checkpoint directory (config and tensor sizes)")
+    c.add_argument("--registry", default="local",
+                   help="'local' hosts the embedded registry here; or local://HOST:PORT, consul://HOST:PORT")
+    c.add_argument("--host", default="127.0.0.1")
+    c.add_argument("--registry-port", type=int, default=50050, help="port of the hosted registry (with 'local')")
+    c.add_argument("--model-name", default="")
+    c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    c.add_argument("--lock-ttl", type=float, default=3.0, help="seconds before a standby scheduler takes over")
+    c.add_argument("--kv-headroom", type=float, default=0.2, help="share of each host's memory kept for KV cache")
+    c.set_defaults(func=cmd_scheduler)
+
+    pl = sub.add_parser("plan", help="print the scheduler's current plan and chains")
+    pl.add_argument("--model", required=True)
+    pl.add_argument("--registry", default="local://127.0.0.1:50050")
+    pl.add_argument("--model-name", default="")
+    pl.set_defaults(func=cmd_plan)
 
     u = sub.add_parser("up", help="start stage servers and a router on this machine")
     u.add_argument("--model", default=None, help="checkpoint directory (default: make a tiny one)")

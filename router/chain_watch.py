@@ -1,0 +1,35 @@
+"""Keeps a router's chains equal to what the scheduler publishes, and keeps the last known chains
+serving while the registry cannot be reached."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from router.chains import ChainSet
+from scheduler.chain_table import decode_chains
+from scheduler.registry import Registry, RegistryError, chains_key, plan_key
+
+log = logging.getLogger("stagemesh.router")
+
+
+async def follow_chains(registry: Registry, model_name: str, chains: ChainSet) -> None:
+    index = 0
+    unreachable = False
+    while True:
+        try:
+            index, entry = await registry.watch_key(chains_key(model_name), index, timeout_s=30)
+            published = decode_chains(entry.value if entry else None)
+            if chains.replace(published):
+                plan, _ = await registry.kv_get(plan_key(model_name))
+                chains.plan = plan.decode() if plan else ""
+                await chains.refresh()
+            if unreachable:
+                log.info("registry reachable again")
+                unreachable = False
+        except RegistryError as exc:
+            if not unreachable:
+                log.warning(f"registry unreachable ({exc}); serving on the last known "
+                            f"{len(chains.chains)} chain(s)")
+                unreachable = True
+            await asyncio.sleep(1.0)

@@ -1,0 +1,159 @@
+"""The scheduler: watches the stage servers in the registry, places layers, and publishes the
+pipeline chains that routers use. Several may run; only the holder of the leader lock acts."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from scheduler import placement
+from scheduler.chain_table import PublishedChain, PublishedStage, encode_chains
+from scheduler.registry import (
+    Registry,
+    RegistryError,
+    ServiceStatus,
+    assignment_key,
+    assignments_prefix,
+    chains_key,
+    leader_key,
+    plan_key,
+)
+
+log = logging.getLogger("stagemesh.scheduler")
+
+
+@dataclass
+class SchedulerConfig:
+    model: str
+    """Local checkpoint directory: the scheduler reads its config and tensor sizes (not its weights)."""
+    model_name: str = ""
+    """The model's name in the registry (default: the directory's name); stages and routers use the same."""
+    dtype: str = "float32"
+    """The dtype the stages serve in, for sizing."""
+    lock_ttl_s: float = 3.0
+    """A scheduler that stops renewing the leader lock loses it after this long; a standby takes over."""
+    placement: placement.PlacementConfig = field(default_factory=placement.PlacementConfig)
+    scheduler_id: str = field(default_factory=lambda: f"scheduler-{uuid.uuid4().hex[:8]}")
+
+    def __post_init__(self) -> None:
+        self.model_name = self.model_name or Path(self.model).name
+        if self.lock_ttl_s <= 0:
+            raise ValueError("lock_ttl_s must be positive")
+
+
+def host_of(status: ServiceStatus) -> placement.Host:
+    meta = status.record.meta
+    fixed = None
+    if meta.get("fixed") == "1" and meta.get("layers"):
+        a, b = meta["layers"].split(":")
+        fixed = (int(a), int(b))
+    return placement.Host(
+        host_id=status.record.service_id,
+        memory_bytes=int(meta.get("budget_bytes", "0") or 0),
+        speed=float(meta.get("speed", "1") or 1),
+        fixed_layers=fixed,
+    )
+
+
+def serves(status: ServiceStatus, start: int, end: int) -> bool:
+    """Passing, loaded with exactly this range and serving it."""
+    meta = status.record.meta
+    return status.passing and meta.get("layers") == f"{start}:{end}" and meta.get("ready") == "1"
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, registry: Registry):
+        self.config = config
+        self.registry = registry
+        self.footprint = placement.ModelFootprint.from_model_dir(config.model, config.dtype)
+        self.plan: placement.Plan | None = None
+        self.published: list[PublishedChain] | None = None
+        self.leading = False
+        self._assigned: dict[str, str] = {}
+
+    @property
+    def name(self) -> str:
+        return self.config.model_name
+
+    async def run(self) -> None:
+        """Campaigns for the leader lock, leads while it holds it, and campaigns again if it loses it."""
+        ttl = self.config.lock_ttl_s
+        while True:
+            try:
+                if await self.registry.acquire_lock(leader_key(self.name), self.config.scheduler_id, ttl):
+                    log.info(f"{self.config.scheduler_id} leads scheduling of {self.name}")
+                    self.leading = True
+                    await self._lead()
+                    log.warning(f"{self.config.scheduler_id} lost the leader lock; standing by")
+            except RegistryError as exc:
+                log.warning(f"registry unreachable ({exc}); retrying")
+            finally:
+                self.leading = False
+            await asyncio.sleep(ttl / 3)
+
+    async def stop(self) -> None:
+        if self.leading:
+            try:
+                await self.registry.release_lock(leader_key(self.name), self.config.scheduler_id)
+            except RegistryError:
+                pass
+
+    async def _lead(self) -> None:
+        loop = asyncio.get_running_loop()
+        ttl = self.config.lock_ttl_s
+        index, renewed = 0, loop.time()
+        # Start from what the previous leader published, so a takeover changes nothing that works.
+        self.published = None
+        self._assigned = {
+            e.key.rsplit("/", 1)[1]: e.value.decode()
+            for e in await self.registry.kv_list(assignments_prefix(self.name))
+        }
+        while True:
+            index, services = await self.registry.watch_services(index, timeout_s=ttl / 3, model=self.name)
+            if loop.time() - renewed >= ttl / 3:
+                if not await self.registry.renew_lock(leader_key(self.name), self.config.scheduler_id):
+                    return
+                renewed = loop.time()
+            await self.reconcile(services)
+
+    async def reconcile(self, services: list[ServiceStatus]) -> None:
+        """Plans for the live stage servers, tells each its range, and publishes the chains that serve."""
+        live = {s.record.service_id: s for s in services if s.passing}
+        new_plan = placement.plan(self.footprint, [host_of(s) for s in live.values()], self.config.placement,
+                                  previous=self.plan)
+        if self.plan is None or new_plan.assignments() != self.plan.assignments():
+            log.info("plan:\n" + new_plan.explanation)
+        self.plan = new_plan
+
+        wanted = new_plan.assignments()
+        for sid, status in live.items():
+            if status.record.meta.get("fixed") == "1":
+                continue
+            rng = wanted.get(sid)
+            value = f"{rng[0]}:{rng[1]}" if rng else ""
+            if self._assigned.get(sid) != value:
+                await self.registry.kv_put(assignment_key(self.name, sid), value.encode())
+                self._assigned[sid] = value
+                log.info(f"assigned layers {value or '(none: spare)'} to {sid}")
+        for sid in [sid for sid in self._assigned if sid not in live]:
+            await self.registry.kv_delete(assignment_key(self.name, sid))
+            del self._assigned[sid]
+
+        ready = [
+            PublishedChain(tuple(PublishedStage(s.host_id, live[s.host_id].record.address, s.layer_start,
+                                                s.layer_end) for s in chain.stages))
+            for chain in new_plan.chains
+            if all(serves(live[s.host_id], s.layer_start, s.layer_end) for s in chain.stages)
+        ]
+        if ready != self.published:
+            await self.registry.kv_put(chains_key(self.name), encode_chains(ready))
+            waiting = len(new_plan.chains) - len(ready)
+            summary = (f"{len(ready)} chain(s) published"
+                       + (f", {waiting} waiting for their stages to load and serve" if waiting else ""))
+            await self.registry.kv_put(plan_key(self.name), f"{new_plan.explanation}\n{summary}".encode())
+            log.info(f"{summary}: " + "; ".join(
+                " -> ".join(f"{s.address}[{s.layer_start}:{s.layer_end}]" for s in c.stages) for c in ready))
+            self.published = ready

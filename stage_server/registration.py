@@ -1,0 +1,103 @@
+"""A stage server in the registry: registers with its capacity, keeps its liveness, and (when started
+without --layers) loads whatever range the scheduler assigns it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+
+from scheduler.registry import Registry, RegistryError, ServiceRecord, assignment_key
+from stage_server.server import StageServer
+
+log = logging.getLogger("stagemesh.stage")
+
+
+@dataclass
+class RegistrationConfig:
+    model_name: str
+    """The model's name in the registry, shared with the scheduler and routers."""
+    budget_bytes: int
+    """Memory this stage may fill with weights and KV cache: what the scheduler places by."""
+    speed: float = 1.0
+    """Relative throughput of this host (a weak host < 1): the scheduler gives it fewer layers."""
+    ttl_s: float = 2.0
+    """Missing heartbeats for this long make the stage critical: chains through it are withdrawn."""
+
+
+class Registration:
+    def __init__(self, server: StageServer, registry: Registry, config: RegistrationConfig, fixed: bool):
+        self.server = server
+        self.registry = registry
+        self.config = config
+        self.fixed = fixed  # started with --layers: the scheduler uses it as it is
+        self.service_id = f"stage-{server.address.replace(':', '-')}"
+        self._tasks: list[asyncio.Task] = []
+
+    def record(self) -> ServiceRecord:
+        layers = self.server.layers
+        return ServiceRecord(
+            service_id=self.service_id,
+            address=self.server.address,
+            model=self.config.model_name,
+            meta={
+                "layers": f"{layers[0]}:{layers[1]}" if layers else "",
+                "ready": "1" if layers else "0",
+                "fixed": "1" if self.fixed else "0",
+                "budget_bytes": str(self.config.budget_bytes),
+                "speed": str(self.config.speed),
+                "dtype": self.server.config.dtype,
+                "device": str(self.server.device),
+            },
+        )
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._keep_alive())]
+        if not self.fixed:
+            self._tasks.append(loop.create_task(self._follow_assignment()))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        with contextlib.suppress(RegistryError):
+            await self.registry.deregister(self.service_id)
+
+    async def _register(self) -> None:
+        await self.registry.register(self.record(), self.config.ttl_s)
+
+    async def _keep_alive(self) -> None:
+        registered = False
+        while True:
+            try:
+                if not registered or not await self.registry.heartbeat(self.service_id):
+                    await self._register()
+                    if not registered:
+                        log.info(f"registered as {self.service_id}", extra={"stage": self.server.address})
+                    registered = True
+            except RegistryError as exc:
+                log.warning(f"registry unreachable, still serving: {exc}", extra={"stage": self.server.address})
+                registered = False
+            await asyncio.sleep(self.config.ttl_s / 4)
+
+    async def _follow_assignment(self) -> None:
+        index = 0
+        key = assignment_key(self.config.model_name, self.service_id)
+        while True:
+            try:
+                index, entry = await self.registry.watch_key(key, index, timeout_s=30)
+            except RegistryError as exc:
+                log.warning(f"cannot watch my assignment: {exc}", extra={"stage": self.server.address})
+                await asyncio.sleep(1)
+                continue
+            want = entry.value.decode() if entry and entry.value else ""
+            current = self.server.layers
+            if not want or want == (f"{current[0]}:{current[1]}" if current else ""):
+                continue
+            a, b = (int(x) for x in want.split(":"))
+            log.info(f"assigned layers {a}:{b}: loading", extra={"stage": self.server.address})
+            model = await asyncio.to_thread(self.server.load, a, b)
+            await self.server.activate(model)
+            with contextlib.suppress(RegistryError):
+                await self._register()  # tells the scheduler the range is loaded and serving
