@@ -70,7 +70,7 @@ class ControlPlane:
             await close()
         if getattr(self, "router", None):
             await self.router.stop(0)
-        for scheduler, task in self.schedulers:
+        for _, task in self.schedulers:
             task.cancel()
         for server, registration in self.stages:
             await registration.stop()
