@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-READY = re.compile(r"(stage|router) ready on (\S+)")
+READY = re.compile(r"(stage|router|registry|scheduler) ready (?:on )?(\S+)")
 
 
 def even_split(num_layers: int, stages: int) -> list[tuple[int, int]]:
@@ -44,6 +44,7 @@ class LocalMesh:
     model: str
     log_dir: Path
     processes: list[Process] = field(default_factory=list)
+    registry_url: str = ""
 
     def spawn(self, name: str, args: list[str], env: dict[str, str], timeout: float = 120.0) -> Process:
         log_path = self.log_dir / f"{name}.log"
@@ -73,41 +74,91 @@ class LocalMesh:
                 proc.popen.kill()
 
 
+def stage_budget_gb(model: str, stages: int, dtype: str, headroom: float = 0.2) -> float:
+    """A memory budget under which the scheduler needs exactly `stages` hosts for one chain."""
+    from scheduler.placement import ModelFootprint
+
+    total = ModelFootprint.from_model_dir(model, dtype).total_bytes
+    share = 1.5 if stages == 1 else (1 + 0.5 / stages) / stages
+    return total * share / (1 - headroom) / 2**30
+
+
 def start_local_mesh(model: str, *, stages: int, replicas: int = 1, router_port: int = 50051,
                      dtype: str = "float32", threads: int | None = None, prefill_chunk: int = 256,
-                     extra_stage_args: list[str] | None = None,
+                     extra_stage_args: list[str] | None = None, registry: str | None = None,
                      log_dir: Path | None = None) -> tuple[LocalMesh, Process]:
+    """Without registry: stages with fixed, even layer ranges and a router over them. With registry
+    ("local", or a consul:// URL): a scheduler places layers on stages that announce a memory budget
+    for `stages` stages per chain, and the router follows the chains it publishes."""
     from transformers import AutoConfig
 
     num_layers = AutoConfig.from_pretrained(model, local_files_only=True).num_hidden_layers
     mesh = LocalMesh(model, log_dir or Path(tempfile.mkdtemp(prefix="stagemesh-")))
     env = stage_env(threads)
+    stage_args = ["stage", "--model", model, "--dtype", dtype, *(extra_stage_args or [])]
+    router_args = ["router", "--model", model, "--port", str(router_port), "--prefill-chunk", str(prefill_chunk)]
     try:
-        chains = []
-        for r in range(replicas):
-            addresses = []
-            for i, (a, b) in enumerate(even_split(num_layers, stages)):
-                proc = mesh.spawn(f"stage-r{r}-s{i}", ["stage", "--model", model, "--layers", f"{a}:{b}",
-                                                        "--dtype", dtype, *(extra_stage_args or [])], env)
-                addresses.append(proc.address)
-            chains.append(",".join(addresses))
-        router_args = ["router", "--model", model, "--port", str(router_port), "--prefill-chunk", str(prefill_chunk)]
-        for c in chains:
-            router_args += ["--chain", c]
-        router = mesh.spawn("router", router_args, env)
+        if registry:
+            url = registry
+            if registry == "local":
+                proc = mesh.spawn("scheduler", ["scheduler", "--model", model, "--registry", "local",
+                                                "--registry-port", "0", "--dtype", dtype], env)
+                url = f"local://{proc.address}"
+            else:
+                mesh.spawn("scheduler", ["scheduler", "--model", model, "--registry", url, "--dtype", dtype], env)
+            budget = f"{stage_budget_gb(model, stages, dtype):.6f}"
+            for i in range(stages * replicas):
+                mesh.spawn(f"stage-{i}", [*stage_args, "--registry", url, "--memory-gb", budget], env)
+            router = mesh.spawn("router", [*router_args, "--registry", url], env)
+            mesh.registry_url = url
+        else:
+            for r in range(replicas):
+                addresses = []
+                for i, (a, b) in enumerate(even_split(num_layers, stages)):
+                    proc = mesh.spawn(f"stage-r{r}-s{i}", [*stage_args, "--layers", f"{a}:{b}"], env)
+                    addresses.append(proc.address)
+                router_args += ["--chain", ",".join(addresses)]
+            router = mesh.spawn("router", router_args, env)
     except BaseException:
         mesh.stop()
         raise
     return mesh, router
 
 
-def run_up(model: str | None, stages: int, replicas: int, port: int, dtype: str) -> None:
+def wait_for_chains(router_address: str, count: int, timeout: float = 120.0) -> list:
+    """Waits until the router has `count` healthy chains; returns them."""
+    import grpc
+
+    from stagemesh.v1 import router_pb2, router_pb2_grpc
+
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(router_address) as channel:
+        stub = router_pb2_grpc.RouterStub(channel)
+        while True:
+            chains = [c for c in stub.ListChains(router_pb2.ListChainsRequest(), timeout=5).chains if c.healthy]
+            if len(chains) >= count or time.monotonic() > deadline:
+                return chains
+            time.sleep(0.2)
+
+
+def run_up(model: str | None, stages: int, replicas: int, port: int, dtype: str, registry: str) -> None:
     if model is None:
         model = str(ensure_tiny_model(Path("models/tiny-llama")))
-    mesh, router = start_local_mesh(model, stages=stages, replicas=replicas, router_port=port, dtype=dtype)
-    print(f"\nstagemesh is up: {replicas} chain(s) of {stages} stage(s) for {model}; logs in {mesh.log_dir}")
+    mesh, router = start_local_mesh(model, stages=stages, replicas=replicas, router_port=port, dtype=dtype,
+                                    registry=registry)
+    try:
+        chains = wait_for_chains(router.address, replicas)
+    except BaseException:
+        mesh.stop()
+        raise
+    print(f"\nstagemesh is up for {model}; logs in {mesh.log_dir}")
     for proc in mesh.processes:
         print(f"  {proc.name:<12} {proc.address}")
+    print(f"\n{len(chains)} chain(s):")
+    for chain in chains:
+        print(f"  {chain.chain_id}: " + " -> ".join(f"{s.address}[{s.layer_start}:{s.layer_end}]"
+                                                    for s in chain.stages))
+    print(f"\nThe plan: stagemesh plan --model {model} --registry {mesh.registry_url}")
     print(f"""
 Call it:
   grpcurl -plaintext {router.address} list

@@ -67,3 +67,34 @@ def test_router_reports_not_serving_when_its_only_chain_dies(local_mesh):
             list(router_pb2_grpc.RouterStub(channel).Generate(
                 router_pb2.GenerateRequest(token_ids=[5, 6], max_new_tokens=4), timeout=10))
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_kill_9_of_a_stage_withdraws_its_chain_and_a_spare_restores_it(tiny_model, tmp_path):
+    from stagemesh.launcher import stage_budget_gb, stage_env, start_local_mesh, wait_for_chains
+
+    mesh, router = start_local_mesh(str(tiny_model), stages=2, replicas=2, router_port=0, registry="local",
+                                    log_dir=tmp_path)
+    try:
+        chains = wait_for_chains(router.address, 2, timeout=60)
+        assert len(chains) == 2
+        victim = next(p for p in mesh.processes if p.address == chains[0].stages[1].address)
+        victim.popen.kill()  # SIGKILL: no goodbye to the registry
+        t0 = time.monotonic()
+        with grpc.insecure_channel(router.address) as channel:
+            stub = router_pb2_grpc.RouterStub(channel)
+            while time.monotonic() - t0 < 5:
+                listed = stub.ListChains(router_pb2.ListChainsRequest(), timeout=5).chains
+                if [c.chain_id for c in listed if c.healthy] == [chains[1].chain_id]:
+                    break
+                time.sleep(0.1)
+            assert [c.chain_id for c in listed if c.healthy] == [chains[1].chain_id]
+            assert time.monotonic() - t0 < 5
+            ids = [t for r in stub.Generate(router_pb2.GenerateRequest(token_ids=[5, 6], max_new_tokens=4), timeout=30)
+                   for t in r.token_ids]
+            assert len(ids) >= 1
+        budget = f"{stage_budget_gb(str(tiny_model), 2, 'float32'):.6f}"
+        mesh.spawn("spare", ["stage", "--model", str(tiny_model), "--registry", mesh.registry_url,
+                             "--memory-gb", budget], stage_env(None))
+        assert len(wait_for_chains(router.address, 2, timeout=30)) == 2
+    finally:
+        mesh.stop()
