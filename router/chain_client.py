@@ -56,6 +56,10 @@ class Chain:
     chain_id: str = field(default_factory=lambda: f"chain-{next(_chain_counter)}")
     healthy: bool = True
     in_flight: int = 0
+    # The load its stages last reported (health checks): steps waiting at the busiest stage,
+    # and KV-pool bytes free at the fullest one.
+    queued_steps: int = 0
+    kv_free_bytes: int = 0
 
     @property
     def label(self) -> str:

@@ -35,7 +35,6 @@ class ChainSet:
         self.num_layers = num_layers
         self.on_change = on_change
         self.plan = ""
-        self._described: set[str] = set()  # chain ids whose layer ranges were read and check out
         self._notified = False
 
     def replace(self, published) -> bool:
@@ -66,14 +65,15 @@ class ChainSet:
         return [c for c in self.chains if c.healthy]
 
     def pick(self, exclude: set[str] = frozenset()) -> Chain:
-        """The healthy chain with the fewest requests in flight."""
+        """The healthy chain with the most room: fewest streams in flight and steps queued at its
+        busiest stage, then the most free KV memory."""
         candidates = [c for c in self.usable() if c.chain_id not in exclude]
         if not candidates:
             raise NoUsableChain(
                 "no usable pipeline chain: every chain has a stage that is down or not serving; "
                 "retry later, or check the stage servers (ListChains shows each chain)"
             )
-        return min(candidates, key=lambda c: c.in_flight)
+        return min(candidates, key=lambda c: (c.in_flight + c.queued_steps, -c.kv_free_bytes))
 
     def mark_down(self, chain: Chain, why: str) -> None:
         if chain.healthy:
@@ -86,26 +86,31 @@ class ChainSet:
             self.on_change(bool(self.usable()))
 
     async def check(self, chain: Chain, timeout: float = 1.0) -> bool:
-        """A chain is healthy when every stage answers SERVING and together they cover all layers."""
+        """A chain is healthy when every stage answers SERVING and together they cover all layers.
+        Also records the stages' load, which pick() weighs."""
         try:
+            infos = []
             for stage in chain.stages:
                 reply = await health_pb2_grpc.HealthStub(stage.channel).Check(
                     health_pb2.HealthCheckRequest(service=STAGE_SERVICE), timeout=timeout
                 )
                 if reply.status != health_pb2.HealthCheckResponse.SERVING:
                     return False
-            if chain.chain_id not in self._described:
-                await self._describe(chain, timeout)
-            return True
-        except (grpc.RpcError, ValueError) as exc:
-            if isinstance(exc, ValueError):
-                log.error(str(exc), extra={"chain": chain.chain_id})
+                infos.append(await stage_pb2_grpc.StageStub(stage.channel).Info(stage_pb2.InfoRequest(),
+                                                                               timeout=timeout))
+            self._check_layers(chain, infos)
+        except grpc.RpcError:
             return False
+        except ValueError as exc:
+            log.error(str(exc), extra={"chain": chain.chain_id})
+            return False
+        chain.queued_steps = max(i.queued_steps for i in infos)
+        chain.kv_free_bytes = min(i.kv_capacity_bytes - i.kv_used_bytes for i in infos)
+        return True
 
-    async def _describe(self, chain: Chain, timeout: float) -> None:
+    def _check_layers(self, chain: Chain, infos: list[stage_pb2.StageInfo]) -> None:
         expect = 0
-        for stage in chain.stages:
-            info = await stage_pb2_grpc.StageStub(stage.channel).Info(stage_pb2.InfoRequest(), timeout=timeout)
+        for stage, info in zip(chain.stages, infos, strict=True):
             if info.layer_start != expect:
                 raise ValueError(
                     f"chain {chain.label}: stage {stage.address} holds layers {info.layer_start}:{info.layer_end} "
@@ -115,7 +120,6 @@ class ChainSet:
             expect = info.layer_end
         if expect != self.num_layers:
             raise ValueError(f"chain {chain.label} covers layers 0:{expect} of {self.num_layers}")
-        self._described.add(chain.chain_id)
 
     async def refresh(self) -> None:
         results = await asyncio.gather(*(self.check(c) for c in self.chains))
