@@ -73,6 +73,7 @@ class Scheduler:
         self.published: list[PublishedChain] | None = None
         self.leading = False
         self._assigned: dict[str, str] = {}
+        self._versions: dict[str, int] = {}  # key -> modify_index of this leader's last write
 
     @property
     def name(self) -> str:
@@ -107,6 +108,7 @@ class Scheduler:
         index, renewed = 0, loop.time()
         # Start from what the previous leader published, so a takeover changes nothing that works.
         self.published = None
+        self._versions = {}
         self._assigned = {
             e.key.rsplit("/", 1)[1]: e.value.decode()
             for e in await self.registry.kv_list(assignments_prefix(self.name))
@@ -118,6 +120,20 @@ class Scheduler:
                     return
                 renewed = loop.time()
             await self.reconcile(services)
+
+    async def _write(self, key: str, value: bytes) -> bool:
+        """Check-and-set against the version this leader last wrote (or read at takeover): a write that
+        finds someone else's newer version means another scheduler acts too, so this one stands down."""
+        index = self._versions.get(key)
+        if index is None:
+            _, index = await self.registry.kv_get(key)
+        if await self.registry.kv_cas(key, value, index):
+            _, self._versions[key] = await self.registry.kv_get(key)
+            return True
+        log.warning(f"{key} was changed by someone else; re-reading before acting again")
+        self._versions.pop(key, None)
+        self.published = None
+        return False
 
     async def reconcile(self, services: list[ServiceStatus]) -> None:
         """Plans for the live stage servers, tells each its range, and publishes the chains that serve."""
@@ -149,11 +165,12 @@ class Scheduler:
             if all(serves(live[s.host_id], s.layer_start, s.layer_end) for s in chain.stages)
         ]
         if ready != self.published:
-            await self.registry.kv_put(chains_key(self.name), encode_chains(ready))
             waiting = len(new_plan.chains) - len(ready)
             summary = (f"{len(ready)} chain(s) published"
                        + (f", {waiting} waiting for their stages to load and serve" if waiting else ""))
-            await self.registry.kv_put(plan_key(self.name), f"{new_plan.explanation}\n{summary}".encode())
+            if not (await self._write(plan_key(self.name), f"{new_plan.explanation}\n{summary}".encode())
+                    and await self._write(chains_key(self.name), encode_chains(ready))):
+                return
             log.info(f"{summary}: " + "; ".join(
                 " -> ".join(f"{s.address}[{s.layer_start}:{s.layer_end}]" for s in c.stages) for c in ready))
             self.published = ready
