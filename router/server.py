@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,6 +12,7 @@ from router.generation import GenerationConfig
 from router.priority_queue import AdmissionConfig, PriorityAdmission
 from router.router_service import RouterService
 from stagemesh import grpc_server
+from stagemesh.signals import until_signalled
 from stagemesh.v1 import router_pb2, router_pb2_grpc
 
 log = logging.getLogger("stagemesh.router")
@@ -120,10 +119,5 @@ async def serve(config: RouterConfig) -> None:
     server = RouterServer(config)
     await server.start()
     print(f"router ready on {server.address}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await until_signalled()
     await server.stop()

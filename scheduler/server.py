@@ -4,27 +4,17 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import signal
 
 from scheduler.registry import open_registry, plan_key
 from scheduler.registry_service import start_registry_server
 from scheduler.scheduler import Scheduler, SchedulerConfig
-
-
-async def _until_signalled() -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+from stagemesh.signals import until_signalled
 
 
 async def serve_registry(host: str, port: int) -> None:
     server = await start_registry_server(host, port)
     print(f"registry ready on {server.address}", flush=True)
-    await _until_signalled()
+    await until_signalled()
     await server.stop()
 
 
@@ -39,7 +29,7 @@ async def serve_scheduler(config: SchedulerConfig, registry_url: str, host: str,
     scheduler = Scheduler(config, registry)
     task = asyncio.get_running_loop().create_task(scheduler.run())
     print(f"scheduler ready ({config.scheduler_id}, registry {registry_url})", flush=True)
-    await _until_signalled()
+    await until_signalled()
     task.cancel()
     await scheduler.stop()
     await registry.close()

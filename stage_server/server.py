@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import signal
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +18,7 @@ from stage_server.model import StageModel, load_stage
 from stage_server.sessions import SessionTable
 from stage_server.stage_service import StageService
 from stagemesh import grpc_server
+from stagemesh.signals import until_signalled
 from stagemesh.v1 import stage_pb2, stage_pb2_grpc
 
 log = logging.getLogger("stagemesh.stage")
@@ -219,12 +218,7 @@ async def serve(config: StageConfig) -> None:
                                     fixed=config.layer_start is not None)
         await registration.start()
     print(f"stage ready on {server.address}", flush=True)
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await until_signalled()
     if registration:
         await registration.stop()
     await server.stop()
