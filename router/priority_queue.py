@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from stagemesh import metrics
+
 CLASSES = ("batch", "normal", "high")  # index = rank: higher goes first
 
 
@@ -62,6 +64,10 @@ class _Waiter:
 class PriorityAdmission:
     """Owned by the event loop: no locks; every change happens between awaits."""
 
+    def _gauges(self) -> None:
+        metrics.RUNNING.set(self.running)
+        metrics.WAITING.set(len(self.waiting))
+
     def __init__(self, config: AdmissionConfig, usable_chains: Callable[[], int]):
         self.config = config
         self.usable_chains = usable_chains
@@ -91,6 +97,7 @@ class PriorityAdmission:
             )
         if self.running < self.slots and not self.waiting:
             self.running += 1
+            self._gauges()
             return
         limits = self.config.limits[cls]
         if self.waiting_in(cls) >= limits.max_waiting:
@@ -101,6 +108,7 @@ class PriorityAdmission:
         loop = asyncio.get_running_loop()
         waiter = _Waiter(cls, loop.time(), next(self._seq), loop.create_future())
         self.waiting.append(waiter)
+        self._gauges()
         timeout = limits.max_wait_s
         if deadline is not None:
             timeout = min(timeout, max(0.0, deadline - loop.time()))
@@ -110,6 +118,7 @@ class PriorityAdmission:
             if waiter.future.done():  # granted at the last moment: keep it
                 return
             self.waiting.remove(waiter)
+            self._gauges()
             raise AdmissionRefused(
                 grpc.StatusCode.DEADLINE_EXCEEDED,
                 f"waited {loop.time() - waiter.enqueued:.1f}s in the {cls}-priority queue without a free "
@@ -125,6 +134,7 @@ class PriorityAdmission:
     def release(self) -> None:
         self.running -= 1
         self._grant()
+        self._gauges()
 
     def capacity_changed(self) -> None:
         """Call when chains come or go: more room lets waiters in."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 
@@ -12,7 +13,8 @@ import grpc
 
 from router.chains import ChainSet, NoUsableChain
 from router.generation import GenerationConfig, GenerationRequest, generate
-from router.priority_queue import AdmissionRefused, PriorityAdmission
+from router.priority_queue import AdmissionRefused, PriorityAdmission, priority_class
+from stagemesh import metrics
 from stagemesh.v1 import router_pb2, router_pb2_grpc
 
 log = logging.getLogger("stagemesh.router")
@@ -91,26 +93,39 @@ class RouterService(router_pb2_grpc.RouterServicer):
     async def _stream(self, req: GenerationRequest) -> AsyncIterator[router_pb2.GenerateResponse]:
         """Waits for admission, then streams; every failure leaves as InvalidRequest(code, message)."""
         extra = {"request_id": req.request_id}
+        cls = priority_class(req.priority)
+        arrived = time.perf_counter()
         try:
             await self.admission.acquire(req.priority, req.deadline)
         except AdmissionRefused as exc:
             log.warning(str(exc), extra=extra)
+            metrics.REQUESTS.labels(exc.code.name).inc()
             raise InvalidRequest(exc.code, str(exc)) from None
+        metrics.QUEUE_WAIT.labels(cls).observe(time.perf_counter() - arrived)
+        status = "CANCELLED"
+        first = True
         log.info(f"generate: {len(req.prompt_ids)} prompt tokens, up to {req.max_new_tokens} new, "
                  f"priority {req.priority}", extra=extra)
         try:
             async for piece in generate(req, self.chains, self.tokenizer, self.eos_ids, self.config):
+                if first:
+                    metrics.TIME_TO_FIRST_TOKEN.labels(cls).observe(time.perf_counter() - arrived)
+                    first = False
+                metrics.TOKENS.inc(len(piece.token_ids))
                 yield router_pb2.GenerateResponse(
                     token_ids=piece.token_ids,
                     text=piece.text,
                     finish_reason=FINISH.get(piece.finish_reason, router_pb2.FINISH_REASON_UNSPECIFIED),
                     request_id=req.request_id,
                 )
+            status = "OK"
         except NoUsableChain as exc:
             log.warning(str(exc), extra=extra)
+            status = "UNAVAILABLE"
             raise InvalidRequest(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
+            status = code.name
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise InvalidRequest(code, "the call's deadline passed before generation finished") from None
             log.warning(f"stage error: {code.name}: {exc.details()}", extra=extra)
@@ -121,6 +136,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
             raise InvalidRequest(code, f"a stage failed and no other chain could continue: {exc.details()}") from None
         finally:
             self.admission.release()
+            metrics.REQUESTS.labels(status).inc()
 
     async def Generate(self, request, context):
         try:

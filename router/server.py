@@ -11,7 +11,7 @@ from router.chains import ChainSet, parse_chain
 from router.generation import GenerationConfig
 from router.priority_queue import AdmissionConfig, PriorityAdmission
 from router.router_service import RouterService
-from stagemesh import grpc_server
+from stagemesh import grpc_server, metrics
 from stagemesh.signals import until_signalled
 from stagemesh.v1 import router_pb2, router_pb2_grpc
 
@@ -34,6 +34,8 @@ class RouterConfig:
     """Follow the chains the scheduler publishes there instead of --chain."""
     model_name: str = ""
     """The model's name in the registry (default: the checkpoint directory's name)."""
+    metrics_port: int | None = None
+    """Serve Prometheus metrics on this port."""
 
     def __post_init__(self) -> None:
         if self.prefill_chunk < 0:
@@ -89,6 +91,7 @@ class RouterServer:
     def _on_chains_change(self, serving: bool) -> None:
         # SERVING only while at least one whole chain can serve.
         self.admission.capacity_changed()
+        metrics.USABLE_CHAINS.set(len(self.chains.usable()))
         asyncio.get_running_loop().create_task(grpc_server.set_serving(self.health, [SERVICE_NAME], serving))
 
     async def start(self) -> None:
@@ -116,6 +119,7 @@ class RouterServer:
 
 
 async def serve(config: RouterConfig) -> None:
+    metrics.serve_metrics(config.metrics_port, config.host)
     server = RouterServer(config)
     await server.start()
     print(f"router ready on {server.address}", flush=True)

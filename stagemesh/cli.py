@@ -44,7 +44,7 @@ def cmd_router(a: argparse.Namespace) -> None:
     admission = AdmissionConfig(slots_per_chain=a.slots_per_chain, aging_s=a.aging)
     _run(serve(RouterConfig(model=a.model, chains=a.chain or [], host=a.host, port=a.port,
                             prefill_chunk=a.prefill_chunk, registry=a.registry, model_name=a.model_name,
-                            admission=admission)))
+                            admission=admission, metrics_port=a.metrics_port)))
 
 
 def cmd_registry(a: argparse.Namespace) -> None:
@@ -113,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--model-name", default="", help="the model's name in the registry (default: the directory name)")
     r.add_argument("--slots-per-chain", type=int, default=32, help="streams that run at once per chain")
     r.add_argument("--aging", type=float, default=10.0, help="seconds of waiting worth one priority class")
+    r.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
     r.add_argument("--host", default="127.0.0.1")
     r.add_argument("--port", type=int, default=50051)
     r.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per pipelined chunk (0: off)")

@@ -1,0 +1,34 @@
+"""Prometheus metrics of the router and the stage servers (`--metrics-port`; scrape /metrics)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+# Router
+REQUESTS = Counter("stagemesh_router_requests_total", "Generate requests by how they ended", ["status"])
+TOKENS = Counter("stagemesh_router_tokens_total", "Tokens streamed to callers")
+TIME_TO_FIRST_TOKEN = Histogram("stagemesh_router_time_to_first_token_seconds",
+                                "From request arrival to its first token", ["priority_class"],
+                                buckets=LATENCY_BUCKETS)
+QUEUE_WAIT = Histogram("stagemesh_router_queue_wait_seconds", "Time spent waiting for admission",
+                       ["priority_class"], buckets=LATENCY_BUCKETS)
+WAITING = Gauge("stagemesh_router_waiting_requests", "Requests waiting for admission")
+RUNNING = Gauge("stagemesh_router_running_requests", "Requests streaming now")
+USABLE_CHAINS = Gauge("stagemesh_router_usable_chains", "Chains whose stages all serve")
+FAILOVERS = Counter("stagemesh_router_failovers_total", "Streams moved to another chain after a stage failed")
+
+# Stage
+STEP_SECONDS = Histogram("stagemesh_stage_batch_seconds", "Time of one batched forward pass",
+                         buckets=LATENCY_BUCKETS)
+BATCH_STEPS = Histogram("stagemesh_stage_batch_steps", "Session steps in one forward pass",
+                        buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
+OPEN_SESSIONS = Gauge("stagemesh_stage_open_sessions", "Inference sessions holding KV cache")
+KV_USED_BYTES = Gauge("stagemesh_stage_kv_used_bytes", "KV pool bytes in use")
+
+
+def serve_metrics(port: int | None, host: str = "127.0.0.1") -> None:
+    """Serves /metrics on host:port when a port is given."""
+    if port:
+        start_http_server(port, addr=host)
