@@ -1,0 +1,37 @@
+"""`scripts/bench.py --quick` end to end: it runs, and writes its JSON and plot. Nothing about speed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.timeout(330)
+def test_bench_quick_writes_json_and_plot(tmp_path):
+    out = tmp_path / "bench"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "--quick", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+
+    report = json.loads((out / "bench.json").read_text())
+    assert {"meta", "bandwidth", "transformers", "mesh", "workload"} <= report.keys()
+    assert report["meta"]["quick"] is True
+    assert report["bandwidth"]["decode_limit_tok_s"] > 0
+    systems = [report["transformers"], *report["mesh"]]
+    assert [s["system"] for s in report["mesh"]] == ["mesh 1x1", "mesh 2x1"]
+    for s in systems:
+        assert s["decode_tok_s"] and s["concurrency_tok_s"] and s["peak_rss_bytes"], s["system"]
+        assert set(s["medians"]["concurrency_tok_s"]) == {"1", "4"}
+        assert not s["concurrency_errors"], s["concurrency_errors"]
+    for s in report["mesh"]:
+        assert s["ttft_s"].keys() == s["ttft_nochunk_s"].keys() == report["transformers"]["ttft_s"].keys()
+
+    png = out / "bench.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "1. single-stream greedy decode" in proc.stdout
