@@ -11,7 +11,6 @@ import uuid
 from dataclasses import dataclass, field
 
 import grpc
-import torch
 
 from stagemesh import grpc_server, tensor_codec
 from stagemesh.v1 import stage_pb2, stage_pb2_grpc
@@ -120,6 +119,21 @@ class ChainSession:
                 await stage.stub.CloseSession(stage_pb2.CloseSessionRequest(session_id=self.session_id), timeout=2)
         self._opened.clear()
 
+    def _request(self, index: int, start: int, tensor, sampling: stage_pb2.SamplingParams, is_last_chunk: bool,
+                 return_logits: bool) -> stage_pb2.ForwardRequest:
+        """Stage index's request for a chunk at `start`: token ids for the first stage, hidden states
+        for the others; the last stage also gets the sampling (and samples only after the last chunk)."""
+        request = stage_pb2.ForwardRequest(session_id=self.session_id, start=start)
+        if index == 0:
+            request.token_ids.CopyFrom(tensor)
+        else:
+            request.hidden.CopyFrom(tensor)
+        if index == len(self.chain.stages) - 1:
+            request.sampling.CopyFrom(sampling)
+            request.skip_sample = not is_last_chunk
+            request.return_logits = return_logits and is_last_chunk
+        return request
+
     async def _exchange(self, index: int, request: stage_pb2.ForwardRequest) -> stage_pb2.ForwardResponse:
         call = self._streams[index]
         try:
@@ -148,48 +162,42 @@ class ChainSession:
         """Feeds token_ids at the session's position and returns the last stage's answer
         (the next token). With chunk_size > 0 a long input flows through the chain in chunks,
         stage i working on chunk k while stage i-1 works on chunk k+1."""
-        chunks = [token_ids]
-        if chunk_size and len(token_ids) > chunk_size:
-            chunks = [token_ids[i : i + chunk_size] for i in range(0, len(token_ids), chunk_size)]
         n_stages = len(self.chain.stages)
+        if not chunk_size or len(token_ids) <= chunk_size:
+            # One chunk (every decode step): the hops in order, no tasks or queues.
+            tensor = tensor_codec.encode_ids(token_ids)
+            for i in range(n_stages):
+                request = self._request(i, self.position, tensor, sampling, True, return_logits)
+                response = await self._exchange(i, request)
+                tensor = response.hidden
+            self.position += len(token_ids)
+            return response
+
+        chunks = [token_ids[i : i + chunk_size] for i in range(0, len(token_ids), chunk_size)]
         queues: list[asyncio.Queue] = [asyncio.Queue() for _ in range(n_stages)]
         start = self.position
         for k, chunk in enumerate(chunks):
-            queues[0].put_nowait((start, k == len(chunks) - 1, tensor_codec.encode(torch.tensor(chunk))))
+            queues[0].put_nowait((start, k == len(chunks) - 1, tensor_codec.encode_ids(chunk)))
             start += len(chunk)
 
         async def run_stage(i: int) -> stage_pb2.ForwardResponse | None:
             last_response = None
             for _ in chunks:
                 chunk_start, is_last_chunk, tensor = await queues[i].get()
-                request = stage_pb2.ForwardRequest(session_id=self.session_id, start=chunk_start)
-                if i == 0:
-                    request.token_ids.CopyFrom(tensor)
-                else:
-                    request.hidden.CopyFrom(tensor)
-                if i == n_stages - 1:
-                    request.sampling.CopyFrom(sampling)
-                    request.skip_sample = not is_last_chunk
-                    request.return_logits = return_logits and is_last_chunk
+                request = self._request(i, chunk_start, tensor, sampling, is_last_chunk, return_logits)
                 response = await self._exchange(i, request)
                 if i < n_stages - 1:
                     queues[i + 1].put_nowait((chunk_start, is_last_chunk, response.hidden))
                 last_response = response
             return last_response
 
-        if n_stages == 1 or len(chunks) == 1:
-            # The common decode step: no tasks, just the hops in order.
-            response = None
-            for i in range(n_stages):
-                response = await run_stage(i)
-        else:
-            tasks = [asyncio.ensure_future(run_stage(i)) for i in range(n_stages)]
-            try:
-                results = await asyncio.gather(*tasks)
-            except BaseException:
-                for t in tasks:
-                    t.cancel()
-                raise
-            response = results[-1]
+        tasks = [asyncio.ensure_future(run_stage(i)) for i in range(n_stages)]
+        try:
+            results = await asyncio.gather(*tasks)
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            raise
+        response = results[-1]
         self.position += len(token_ids)
         return response

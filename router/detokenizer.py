@@ -2,6 +2,9 @@
 
 Text is released only when it is final: never half of a multi-byte character, never a
 prefix that a stop string could still turn out to start with.
+
+Each step decodes only the tokens since the text was last complete (plus those just before,
+for the tokenizer's spacing), not the whole output: decoding stays O(1) per token.
 """
 
 from __future__ import annotations
@@ -16,11 +19,30 @@ class IncrementalText:
     ids: list[int] = field(default_factory=list)
     emitted: int = 0  # characters of the decoded text already released
     stopped: bool = False
+    # The decoded text of ids[:_read], complete (no partial character at its end), and where
+    # the window decoded next starts: the tokens since _read, after those of the last step.
+    _complete: str = ""
+    _read: int = 0
+    _window: int = 0
+
+    def _text(self) -> str:
+        """The decoded text of all ids; the same as tokenizer.decode(ids, skip_special_tokens=True)."""
+        decode = self.tokenizer.decode
+        before = decode(self.ids[self._window : self._read], skip_special_tokens=True)
+        window = decode(self.ids[self._window :], skip_special_tokens=True)
+        if self._window > 0 and not (before and window.startswith(before)):
+            # Tokens whose text depends on more than the previous step's: decode everything.
+            text = decode(self.ids, skip_special_tokens=True)
+        else:
+            text = self._complete + window[len(before) :]
+        if not text.endswith("\ufffd"):
+            self._complete, self._window, self._read = text, self._read, len(self.ids)
+        return text
 
     def add(self, new_ids: list[int]) -> str:
         """Returns the text that is now safe to release (may be empty)."""
         self.ids.extend(new_ids)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        text = self._text()
         if self.stop:
             hits = [i for i in (text.find(s, max(0, self.emitted - len(s))) for s in self.stop) if i >= 0]
             if hits:
@@ -40,7 +62,7 @@ class IncrementalText:
         """At the end, release whatever is held back (no stop string can complete any more)."""
         if self.stopped:
             return ""
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        text = self._text()
         return self._release(text, len(text))
 
     def _release(self, text: str, upto: int) -> str:

@@ -12,6 +12,7 @@ import grpc
 from router.chain_client import ChainSession
 from router.chains import ChainSet, NoUsableChain
 from router.detokenizer import IncrementalText
+from stagemesh import metrics
 from stagemesh.v1 import stage_pb2
 
 log = logging.getLogger("stagemesh.router")
@@ -73,13 +74,14 @@ async def generate(
         chain.in_flight += 1
         try:
             async with ChainSession(chain, max_length, req.request_id, req.deadline) as session:
+                # Everything the chain has not seen yet: the prompt at first (after a failover the
+                # prompt plus all tokens so far), then one token per decode step.
+                feed = req.prompt_ids + generated
                 while True:
-                    # Everything the chain has not seen yet: the prompt at first, one token per
-                    # decode step, and after a failover the prompt plus all tokens so far.
-                    feed = (req.prompt_ids + generated)[session.position :]
                     response = await session.step(feed, sampling=sampling, chunk_size=config.prefill_chunk)
                     token = response.token_id
                     generated.append(token)
+                    feed = [token]
                     if token in eos_ids:
                         yield Piece([token], text.flush(), "eos")
                         return
@@ -95,6 +97,7 @@ async def generate(
             if exc.code() not in FAILOVER_CODES or len(tried) >= config.max_failovers:
                 raise
             tried.add(chain.chain_id)
+            metrics.FAILOVERS.inc()
             if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
                 chains.mark_down(chain, f"{exc.code().name}: {exc.details()}")
             log.warning(

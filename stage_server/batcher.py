@@ -4,6 +4,8 @@ Handlers submit steps and await their results; one task drains the queue into ba
 steps first, then prefill chunks up to a token budget, so a long prefill never holds decodes
 back for long) and runs each batch on the stage's single compute thread. Steps that arrive
 while a batch runs join the next one: sessions enter and leave the running batch freely.
+A batch of one short decode step runs on the event loop itself: the hop to the compute thread
+and back would cost more than the step saves by leaving the loop free.
 """
 
 from __future__ import annotations
@@ -49,11 +51,14 @@ class BatcherConfig:
     """How long to wait for more steps after the first arrives (0: take what is queued)."""
     max_batch_tokens: int = 2048
     """Token budget of one pass; one step larger than it still runs, alone."""
+    inline_max_ms: float = 5.0
+    """A lone decode step runs on the event loop while the last decode pass took less than this."""
 
 
 class StepBatcher:
     def __init__(self, model: StageModel, config: BatcherConfig):
         self.model = model
+        self.device = model.device
         self.config = config
         self.queue: deque[StepRequest] = deque()
         self.wakeup = asyncio.Event()
@@ -117,7 +122,10 @@ class StepBatcher:
                     continue
                 t0 = time.perf_counter()
                 try:
-                    results = await loop.run_in_executor(self.executor, self._run_batch, batch)
+                    if self._inline(batch):
+                        results = self._run_batch(batch)
+                    else:
+                        results = await loop.run_in_executor(self.executor, self._run_batch, batch)
                 except Exception as exc:  # a bug in the pass: fail its steps, keep serving others
                     results = [exc] * len(batch)
                 if all(r.length == 1 for r in batch):
@@ -131,8 +139,13 @@ class StepBatcher:
                     else:
                         req.future.set_result(res)
 
+    def _inline(self, batch: list[StepRequest]) -> bool:
+        """A lone decode step of a stage whose decode passes are known to be short."""
+        return (len(batch) == 1 and batch[0].length == 1 and bool(self.recent_decode_ms)
+                and self.recent_decode_ms[-1] < self.config.inline_max_ms)
+
     def _run_batch(self, batch: list[StepRequest]) -> list[StepResult | Exception]:
-        """Runs on the compute thread."""
+        """Runs on the compute thread (or, for a lone short decode step, on the event loop)."""
         live: list[StepRequest] = []
         results: dict[int, StepResult | Exception] = {}
         for req in batch:
@@ -145,9 +158,8 @@ class StepBatcher:
             for req in live:
                 steps.append(StepSlice(req.session.cache, offset, req.start, req.length))
                 offset += req.length
-            device = self.model.device
-            inputs = torch.cat([r.inputs for r in live]).to(device)
-            out = self.model(inputs, steps)
+            inputs = live[0].inputs if len(live) == 1 else torch.cat([r.inputs for r in live])
+            out = self.model(inputs.to(self.device), steps)
             if self.model.is_last:
                 for i, req in enumerate(live):
                     res = StepResult()

@@ -106,15 +106,35 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and x.device.type == "cpu":
+            # One call instead of six; on CPU in float32 bit-identical to the steps below
+            # (which are transformers').
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def rope_tables(inv_freq: torch.Tensor, scale: float, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and "signed sin" for positions 0..n-1, [n, head_dim] each.
+
+    cos/sin are computed as transformers does (freqs, concatenated with themselves). The sin
+    table has its first half negated, so that rotate_half(x) * sin == x.roll(half) * signed_sin
+    bit for bit, with one roll instead of two slices, a negation and a cat.
+    """
+    positions = torch.arange(n, device=inv_freq.device)
+    freqs = positions[:, None].float() * inv_freq[None, :]  # [n, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [n, D]
+    cos = (emb.cos() * scale).to(dtype)
+    sin = (emb.sin() * scale).to(dtype)
+    half = sin.shape[-1] // 2
+    return cos, torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    # x: [T, heads, D]; cos, signed_sin: [T, 1, D]. Same as x * cos + rotate_half(x) * sin.
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 @dataclass
@@ -137,9 +157,9 @@ class Attention(nn.Module):
         self.slot = slot  # index of this layer inside the stage's KV cache
         self.window = args.sliding_windows[layer_index]
         bias = args.attention_bias
-        self.q_proj = nn.Linear(args.hidden_size, args.num_heads * args.head_dim, bias=bias)
-        self.k_proj = nn.Linear(args.hidden_size, args.num_kv_heads * args.head_dim, bias=bias)
-        self.v_proj = nn.Linear(args.hidden_size, args.num_kv_heads * args.head_dim, bias=bias)
+        # q, k and v projections as one Linear (the checkpoint's three, concatenated at load).
+        self.qkv_proj = nn.Linear(args.hidden_size, (args.num_heads + 2 * args.num_kv_heads) * args.head_dim,
+                                  bias=bias)
         # Llama's attention_bias covers o_proj too; Qwen2's bias is on q/k/v only.
         o_bias = bias and args.family == "llama"
         self.o_proj = nn.Linear(args.num_heads * args.head_dim, args.hidden_size, bias=o_bias)
@@ -147,19 +167,23 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, steps: list[StepSlice]
     ) -> torch.Tensor:
-        # x: [T, hidden]; cos, sin: [T, head_dim]
+        # x: [T, hidden]; cos, sin: [T, 1, head_dim] (sin signed, see rope_tables)
         a = self.args
-        T = x.shape[0]
-        q = self.q_proj(x).view(T, a.num_heads, a.head_dim)
-        k = self.k_proj(x).view(T, a.num_kv_heads, a.head_dim)
-        v = self.v_proj(x).view(T, a.num_kv_heads, a.head_dim)
-        c, s = cos[:, None, :], sin[:, None, :]
-        q = q * c + rotate_half(q) * s
-        k = k * c + rotate_half(k) * s
+        T, H, kvH, D = x.shape[0], a.num_heads, a.num_kv_heads, a.head_dim
+        qkv = self.qkv_proj(x)  # [T, (H + 2 kvH) * D]
+        qk = apply_rope(qkv[:, : (H + kvH) * D].view(T, H + kvH, D), cos, sin)  # [T, H + kvH, D]
+        q, k = qk[:, :H], qk[:, H:]  # [T, H, D], [T, kvH, D]
+        v = qkv[:, (H + kvH) * D :].view(T, kvH, D)
 
-        out = torch.empty(T, a.num_heads, a.head_dim, dtype=x.dtype, device=x.device)
+        if len(steps) == 1 and T == 1:  # one decode step: no scratch buffer, no copy back
+            return self.o_proj(self._decode(q[0], k[0], v[0], steps[0]).view(1, H * D))
+        out = torch.empty(T, H, D, dtype=x.dtype, device=x.device)
         for st in steps:
-            lo, hi, end = st.offset, st.offset + st.length, st.start + st.length
+            lo, hi = st.offset, st.offset + st.length
+            if st.length == 1:
+                out[lo] = self._decode(q[lo], k[lo], v[lo], st)
+                continue
+            end = st.start + st.length
             k_cache, v_cache = st.cache.k[self.slot], st.cache.v[self.slot]  # [kvH, capacity, D]
             k_cache[:, st.start : end] = k[lo:hi].transpose(0, 1)
             v_cache[:, st.start : end] = v[lo:hi].transpose(0, 1)
@@ -170,18 +194,33 @@ class Attention(nn.Module):
                 v_cache[None, :, :end],
                 attn_mask=mask,
                 is_causal=causal,
-                enable_gqa=a.num_heads != a.num_kv_heads,
+                enable_gqa=H != kvH,
             )
             out[lo:hi] = o[0].transpose(0, 1)
-        return self.o_proj(out.view(T, a.num_heads * a.head_dim))
+        return self.o_proj(out.view(T, H * D))
+
+    def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, st: StepSlice) -> torch.Tensor:
+        """One position's attention: q [H, D], k and v [kvH, D] -> [H, D]. Writes k, v to the cache."""
+        a = self.args
+        end = st.start + 1
+        k_cache, v_cache = st.cache.k[self.slot], st.cache.v[self.slot]  # [kvH, capacity, D]
+        k_cache[:, st.start] = k
+        v_cache[:, st.start] = v
+        # The keys it may see: all so far, or the last `window` of them. No mask needed.
+        first = 0 if self.window is None else max(0, end - self.window)
+        group = a.num_heads // a.num_kv_heads
+        # The query heads that share a kv head are rows of one query block: [1, kvH, group, D].
+        o = F.scaled_dot_product_attention(
+            q.view(1, a.num_kv_heads, group, a.head_dim),
+            k_cache[None, :, first:end],
+            v_cache[None, :, first:end],
+        )
+        return o.view(a.num_heads, a.head_dim)
 
     def _mask(self, st: StepSlice, device: torch.device) -> tuple[torch.Tensor | None, bool]:
         end = st.start + st.length
-        if self.window is None or end <= self.window:
-            if st.length == 1:
-                return None, False
-            if st.start == 0:
-                return None, True
+        if (self.window is None or end <= self.window) and st.start == 0:
+            return None, True
         q_pos = torch.arange(st.start, end, device=device)[:, None]
         k_pos = torch.arange(end, device=device)[None, :]
         mask = k_pos <= q_pos
@@ -193,12 +232,13 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
-        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
+        # gate and up projections as one Linear (the checkpoint's two, concatenated at load).
+        self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=args.mlp_bias)
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, intermediate] each
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -237,19 +277,29 @@ class StageModel(nn.Module):
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False) if self.is_last else None
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self.rope_scale = rope_scale
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # rope_tables(), made on first use
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.layers[0].mlp.up_proj.weight.dtype
+        return self.layers[0].mlp.down_proj.weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.layers[0].mlp.up_proj.weight.device
+        return self.layers[0].mlp.down_proj.weight.device
 
-    def rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * self.rope_scale).to(dtype), (emb.sin() * self.rope_scale).to(dtype)
+    def rotary(self, steps: list[StepSlice], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin (see rope_tables) of the batch's positions: [T, 1, head_dim] each."""
+        end = max(st.start + st.length for st in steps)
+        if self._rope is None or end > self._rope[0].shape[0] or self._rope[0].dtype != dtype:
+            # Tables for the first 4096 positions, doubled when a longer session comes.
+            n = max(end, 4096 if self._rope is None else 2 * self._rope[0].shape[0])
+            self._rope = rope_tables(self.inv_freq, self.rope_scale, n, dtype)
+        cos, sin = self._rope
+        if len(steps) == 1:
+            st = steps[0]
+            return cos[st.start : st.start + st.length, None], sin[st.start : st.start + st.length, None]
+        positions = torch.cat([torch.arange(st.start, st.start + st.length) for st in steps]).to(cos.device)
+        return cos[positions, None], sin[positions, None]
 
     @torch.inference_mode()
     def forward(self, inputs: torch.Tensor, steps: list[StepSlice]) -> torch.Tensor:
@@ -258,17 +308,42 @@ class StageModel(nn.Module):
         Returns hidden states [T, hidden], or on the last stage the logits of each step's
         last position [len(steps), vocab] in float32. Advances each step's cache length.
         """
-        x = self.embed_tokens(inputs) if self.is_first else inputs.to(self.dtype)
-        positions = torch.cat([torch.arange(s.start, s.start + s.length) for s in steps]).to(x.device)
-        cos, sin = self.rotary(positions, x.dtype)
+        x = self.embed_tokens(inputs) if self.is_first else inputs.to(self.dtype)  # [T, hidden]
+        cos, sin = self.rotary(steps, x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, steps)
         for st in steps:
             st.cache.length = st.start + st.length
         if not self.is_last:
             return x
-        last = torch.tensor([s.offset + s.length - 1 for s in steps], device=x.device)
-        return self.lm_head(self.norm(x[last])).float()
+        if len(steps) == x.shape[0]:  # every step is one token: each row is a step's last
+            last = x
+        else:
+            last = x[torch.tensor([st.offset + st.length - 1 for st in steps], device=x.device)]
+        return self.lm_head(self.norm(last)).float()  # [len(steps), vocab]
+
+
+# Our fused Linears, and the checkpoint's Linears they concatenate (along the output dim, in order).
+FUSED = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+
+
+def checkpoint_names(name: str) -> list[str]:
+    """A decoder layer's parameter name -> the checkpoint tensors it is made of:
+    "self_attn.qkv_proj.bias" -> ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]."""
+    module, _, param = name.rpartition(".")
+    return [f"{part}.{param}" for part in FUSED.get(module, (module,))]
+
+
+def column_major(weight: torch.Tensor, device: str | torch.device) -> torch.Tensor:
+    """A Linear weight [out, in] with the same values, laid out as its transpose ([in, out] in
+    memory), on CPU: F.linear of one token (a GEMV, every decode step) is ~20% faster over that
+    layout; with many tokens it makes no difference."""
+    if torch.device(device).type != "cpu":
+        return weight
+    return weight.t().contiguous().t()
 
 
 def _weight_files(model_dir: Path) -> dict[str, Path]:
@@ -304,29 +379,39 @@ def load_stage(
     wanted: dict[str, str] = {}  # checkpoint name -> our parameter name
     for slot, i in enumerate(range(layer_start, layer_end)):
         for name, _ in model.layers[slot].named_parameters():
-            wanted[f"model.layers.{i}.{name}"] = f"layers.{slot}.{name}"
+            for part in checkpoint_names(name):
+                wanted[f"model.layers.{i}.{part}"] = f"layers.{slot}.{name}"
     if model.is_first:
         wanted["model.embed_tokens.weight"] = "embed_tokens.weight"
     if model.is_last:
         wanted["model.norm.weight"] = "norm.weight"
         head = "model.embed_tokens.weight" if args.tie_word_embeddings else "lm_head.weight"
-        if head in wanted:  # tied and also first: one tensor, two uses
-            wanted.pop(head)
-        else:
+        if head not in wanted:  # tied and also first: one tensor, two uses (below)
             wanted[head] = "lm_head.weight"
 
     files = _weight_files(model_dir)
     missing = [name for name in wanted if name not in files]
     if missing:
         raise ValueError(f"checkpoint {model_dir} lacks tensors {missing[:5]}")
-    state: dict[str, torch.Tensor] = {}
+    parts: dict[str, list[torch.Tensor]] = {}  # our name -> its checkpoint tensors, in order
     by_file: dict[Path, list[str]] = {}
     for name in wanted:
         by_file.setdefault(files[name], []).append(name)
+    loaded: dict[str, torch.Tensor] = {}
     for path, names in by_file.items():
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in names:
-                state[wanted[name]] = f.get_tensor(name).to(device=device, dtype=dtype)
+                loaded[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+    for name in wanted:  # wanted keeps checkpoint_names' order
+        parts.setdefault(wanted[name], []).append(loaded.pop(name))
+    state: dict[str, torch.Tensor] = {}
+    for ours in list(parts):  # one new copy at a time: the peak stays near the weights' size
+        ts = parts.pop(ours)
+        t = ts[0] if len(ts) == 1 else torch.cat(ts)
+        if ours.endswith("proj.weight") or ours == "lm_head.weight":
+            t = column_major(t, device)
+        state[ours] = t
+        del ts, t
     if model.is_first and model.is_last and args.tie_word_embeddings:
         state["lm_head.weight"] = state["embed_tokens.weight"]
     model.to_empty(device=device)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from array import array
+
 import torch
 
 from stagemesh.v1 import tensor_pb2
@@ -33,6 +35,11 @@ def encode(t: torch.Tensor) -> tensor_pb2.Tensor:
     return tensor_pb2.Tensor(dtype=NAMES[t.dtype], shape=list(t.shape), data=raw.numpy().tobytes())
 
 
+def encode_ids(ids: list[int]) -> tensor_pb2.Tensor:
+    """Token ids as a 1-D int64 tensor, the same message as encode(torch.tensor(ids)), without torch."""
+    return tensor_pb2.Tensor(dtype="int64", shape=[len(ids)], data=array("q", ids).tobytes())
+
+
 def decode(msg: tensor_pb2.Tensor) -> torch.Tensor:
     """Returns a tensor that owns its memory (safe to keep after the message is gone)."""
     dtype = DTYPES.get(msg.dtype)
@@ -44,7 +51,7 @@ def decode(msg: tensor_pb2.Tensor) -> torch.Tensor:
     numel = 1
     for d in shape:
         numel *= d
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     if len(msg.data) != numel * itemsize:
         raise CodecError(
             f"tensor of shape {list(shape)} and dtype {msg.dtype} needs {numel * itemsize} bytes, "

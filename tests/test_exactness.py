@@ -47,7 +47,7 @@ async def test_greedy_tokens_equal_transformers(meshes, hf_models, family, n_sta
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("n_stages", [2, 4])
+@pytest.mark.parametrize("n_stages", sorted(LAYOUTS))
 async def test_last_stage_logits_match_transformers(meshes, hf_models, family, n_stages):
     mesh = meshes[family, n_stages]
     chain = Chain([StageEndpoint(s.address) for s in mesh.stages[0]])
