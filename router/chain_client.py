@@ -71,8 +71,10 @@ class ChainSession:
     Use as `async with ChainSession(chain, ...) as s:`; leaving the block closes every
     stage's session, whatever the way out (done, error, cancellation)."""
 
-    def __init__(self, chain: Chain, max_length: int, request_id: str, deadline: float | None = None):
+    def __init__(self, chain: Chain, max_length: int, request_id: str, deadline: float | None = None,
+                 wire_dtype: str = ""):
         self.chain = chain
+        self.wire_dtype = wire_dtype  # how stages send hidden states on ("": their own dtype)
         self.max_length = max_length
         self.request_id = request_id
         self.deadline = deadline  # loop.time() by which the request must be done
@@ -128,7 +130,9 @@ class ChainSession:
             request.token_ids.CopyFrom(tensor)
         else:
             request.hidden.CopyFrom(tensor)
-        if index == len(self.chain.stages) - 1:
+        if index < len(self.chain.stages) - 1:
+            request.wire_dtype = self.wire_dtype
+        else:
             request.sampling.CopyFrom(sampling)
             request.skip_sample = not is_last_chunk
             request.return_logits = return_logits and is_last_chunk

@@ -54,6 +54,8 @@ class GenerationConfig:
     """Prompt tokens per pipelined prefill chunk (0: the whole prompt at once)."""
     max_failovers: int = 3
     """How many times one request may move to another chain."""
+    wire_dtype: str = ""
+    """Hidden states between stages: "" (each stage's own dtype), float32, bfloat16, float16 or int8."""
 
 
 async def generate(
@@ -73,7 +75,7 @@ async def generate(
             chain = chains.pick()  # every usable chain was tried: the least loaded again
         chain.in_flight += 1
         try:
-            async with ChainSession(chain, max_length, req.request_id, req.deadline) as session:
+            async with ChainSession(chain, max_length, req.request_id, req.deadline, config.wire_dtype) as session:
                 # Everything the chain has not seen yet: the prompt at first (after a failover the
                 # prompt plus all tokens so far), then one token per decode step.
                 feed = req.prompt_ids + generated

@@ -13,6 +13,7 @@ from router.priority_queue import AdmissionConfig, PriorityAdmission
 from router.router_service import RouterService
 from stagemesh import grpc_server, metrics
 from stagemesh.signals import until_signalled
+from stagemesh.tensor_codec import WIRE_DTYPES
 from stagemesh.v1 import router_pb2, router_pb2_grpc
 
 log = logging.getLogger("stagemesh.router")
@@ -28,6 +29,8 @@ class RouterConfig:
     host: str = "127.0.0.1"
     port: int = 0
     prefill_chunk: int = 256
+    wire_dtype: str = ""
+    """Hidden states between stages: "" (each stage's own dtype), float32, bfloat16, float16 or int8."""
     health_interval_s: float = 1.0
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     registry: str | None = None
@@ -38,6 +41,8 @@ class RouterConfig:
     """Serve Prometheus metrics on this port."""
 
     def __post_init__(self) -> None:
+        if self.wire_dtype and self.wire_dtype not in WIRE_DTYPES:
+            raise ValueError(f"--wire-dtype {self.wire_dtype!r}: use one of {', '.join(WIRE_DTYPES)}")
         if self.prefill_chunk < 0:
             raise ValueError("--prefill-chunk must be >= 0 (0: no chunking)")
         if bool(self.chains) == bool(self.registry):
@@ -77,7 +82,8 @@ class RouterServer:
         self.admission = PriorityAdmission(config.admission, lambda: len(self.chains.usable()))
         self.service = RouterService(
             self.chains, tokenizer, model_config, eos_token_ids(config.model, tokenizer, model_config),
-            GenerationConfig(prefill_chunk=config.prefill_chunk), Path(config.model).name, self.admission,
+            GenerationConfig(prefill_chunk=config.prefill_chunk, wire_dtype=config.wire_dtype),
+            Path(config.model).name, self.admission,
         )
         router_pb2_grpc.add_RouterServicer_to_server(self.service, self.server)
         self.port = grpc_server.bind(self.server, config.host, config.port)

@@ -92,7 +92,7 @@ class StageService(stage_pb2_grpc.StageServicer):
                     await context.abort(code, msg)
                 response = stage_pb2.ForwardResponse(session_id=request.session_id)
                 if result.hidden is not None:
-                    response.hidden.CopyFrom(tensor_codec.encode(result.hidden))
+                    response.hidden.CopyFrom(tensor_codec.encode_hidden(result.hidden, request.wire_dtype))
                 if result.token_id is not None:
                     response.token_id = result.token_id
                 if result.logits is not None:
@@ -127,9 +127,10 @@ class StageService(stage_pb2_grpc.StageServicer):
                 raise StepError(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"stage {model.layer_start}:{model.layer_end} takes hidden states, not token ids")
             inputs = tensor_codec.decode(request.hidden)
-            if request.hidden.dtype not in tensor_codec.FLOAT_DTYPES:
+            if not inputs.is_floating_point():
                 raise StepError(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"hidden states must be float32, bfloat16 or float16, got {request.hidden.dtype}")
+                                f"hidden states must be float32, bfloat16, float16 or int8 with row_scale, "
+                                f"got {request.hidden.dtype}")
             if inputs.dim() != 2 or inputs.shape[1] != args.hidden_size:
                 raise StepError(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"hidden states must have shape [tokens, {args.hidden_size}], "

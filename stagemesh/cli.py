@@ -43,7 +43,8 @@ def cmd_router(a: argparse.Namespace) -> None:
 
     admission = AdmissionConfig(slots_per_chain=a.slots_per_chain, aging_s=a.aging)
     _run(serve(RouterConfig(model=a.model, chains=a.chain or [], host=a.host, port=a.port,
-                            prefill_chunk=a.prefill_chunk, registry=a.registry, model_name=a.model_name,
+                            prefill_chunk=a.prefill_chunk, wire_dtype=a.wire_dtype, registry=a.registry,
+                            model_name=a.model_name,
                             admission=admission, metrics_port=a.metrics_port)))
 
 
@@ -113,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--model-name", default="", help="the model's name in the registry (default: the directory name)")
     r.add_argument("--slots-per-chain", type=int, default=32, help="streams that run at once per chain")
     r.add_argument("--aging", type=float, default=10.0, help="seconds of waiting worth one priority class")
+    r.add_argument("--wire-dtype", default="", choices=["", "float32", "bfloat16", "float16", "int8"],
+                   help="hidden states between stages (default: each stage's own dtype)")
     r.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
     r.add_argument("--host", default="127.0.0.1")
     r.add_argument("--port", type=int, default=50051)

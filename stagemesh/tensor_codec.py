@@ -18,6 +18,8 @@ DTYPES: dict[str, torch.dtype] = {
 }
 NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 FLOAT_DTYPES = frozenset({"float32", "bfloat16", "float16"})
+WIRE_DTYPES = ("float32", "bfloat16", "float16", "int8")
+"""How hidden states may travel between stages (int8: per-row scaled)."""
 
 
 class CodecError(ValueError):
@@ -33,6 +35,23 @@ def encode(t: torch.Tensor) -> tensor_pb2.Tensor:
     # numpy has no bfloat16: view the bits as int16 so the bytes go out untouched.
     raw = t.view(torch.int16) if t.dtype == torch.bfloat16 else t
     return tensor_pb2.Tensor(dtype=NAMES[t.dtype], shape=list(t.shape), data=raw.numpy().tobytes())
+
+
+def encode_hidden(t: torch.Tensor, wire_dtype: str = "") -> tensor_pb2.Tensor:
+    """Hidden states [tokens, hidden] in wire_dtype ("" keeps their own). int8 keeps one float scale
+    per token (row), which bounds each value's error by half a step of that row's absmax / 127."""
+    if not wire_dtype or NAMES.get(t.dtype) == wire_dtype:
+        return encode(t)
+    if wire_dtype == "int8":
+        t = t.float()
+        scale = t.abs().amax(dim=-1).clamp(min=1e-12) / 127.0  # [tokens]
+        q = torch.round(t / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        msg = encode(q)
+        msg.row_scale.extend(scale.tolist())
+        return msg
+    if wire_dtype not in FLOAT_DTYPES:
+        raise CodecError(f"wire dtype {wire_dtype!r}: use one of {', '.join(WIRE_DTYPES)}")
+    return encode(t.to(DTYPES[wire_dtype]))
 
 
 def encode_ids(ids: list[int]) -> tensor_pb2.Tensor:
@@ -59,4 +78,10 @@ def decode(msg: tensor_pb2.Tensor) -> torch.Tensor:
         )
     if numel == 0:
         return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(bytearray(msg.data), dtype=dtype).reshape(shape)
+    t = torch.frombuffer(bytearray(msg.data), dtype=dtype).reshape(shape)
+    if msg.row_scale:
+        if dtype != torch.int8 or len(shape) != 2 or len(msg.row_scale) != shape[0]:
+            raise CodecError(f"row_scale ({len(msg.row_scale)} values) needs an int8 tensor of "
+                             f"[rows, columns] with one scale per row; got {msg.dtype} {list(shape)}")
+        t = t.float() * torch.tensor(list(msg.row_scale), dtype=torch.float32)[:, None]
+    return t

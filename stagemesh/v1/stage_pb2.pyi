@@ -45,7 +45,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("session_id", "start", "token_ids", "hidden", "sampling", "return_logits", "skip_sample")
+    __slots__ = ("session_id", "start", "token_ids", "hidden", "sampling", "return_logits", "skip_sample", "wire_dtype")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +53,7 @@ class ForwardRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     RETURN_LOGITS_FIELD_NUMBER: _ClassVar[int]
     SKIP_SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     start: int
     token_ids: _tensor_pb2.Tensor
@@ -60,7 +61,8 @@ class ForwardRequest(_message.Message):
     sampling: SamplingParams
     return_logits: bool
     skip_sample: bool
-    def __init__(self, session_id: _Optional[str] = ..., start: _Optional[int] = ..., token_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., hidden: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., return_logits: _Optional[bool] = ..., skip_sample: _Optional[bool] = ...) -> None: ...
+    wire_dtype: str
+    def __init__(self, session_id: _Optional[str] = ..., start: _Optional[int] = ..., token_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., hidden: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., return_logits: _Optional[bool] = ..., skip_sample: _Optional[bool] = ..., wire_dtype: _Optional[str] = ...) -> None: ...
 
 class ForwardResponse(_message.Message):
     __slots__ = ("session_id", "hidden", "token_id", "logits")

@@ -1,0 +1,54 @@
+"""Hidden states may travel between stages in bfloat16 or int8: fewer bytes, a small, bounded error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from router.chain_client import Chain, ChainSession, StageEndpoint
+from stagemesh import tensor_codec
+from stagemesh.v1 import stage_pb2
+from tests.conftest import splits, start_mesh
+
+
+def test_int8_rows_keep_their_scale_and_a_half_step_error():
+    h = torch.randn(5, 64) * torch.tensor([0.01, 1.0, 30.0, 1e3, 1e-4])[:, None]
+    msg = tensor_codec.encode_hidden(h, "int8")
+    assert msg.dtype == "int8" and len(msg.data) == h.numel() and len(msg.row_scale) == 5
+    back = tensor_codec.decode(msg)
+    step = h.abs().amax(dim=1, keepdim=True) / 127
+    assert back.dtype == torch.float32
+    assert ((back - h).abs() <= step / 2 * 1.0001).all()
+
+
+def test_bad_row_scale_is_refused():
+    msg = tensor_codec.encode(torch.zeros(2, 3))
+    msg.row_scale.extend([1.0, 1.0])
+    with pytest.raises(tensor_codec.CodecError):
+        tensor_codec.decode(msg)
+
+
+@pytest.mark.parametrize("wire, max_logit_error, bytes_per_value", [
+    ("", 0.0, 4), ("bfloat16", 0.05, 2), ("int8", 0.05, 1)])
+async def test_wire_dtype_between_stages(tiny_model, wire, max_logit_error, bytes_per_value):
+    mesh = await start_mesh(tiny_model, [splits(4, 4)], router=False)
+    chain = Chain([StageEndpoint(s.address) for s in mesh.stages[0]])
+    ids = list(range(10, 30))
+    logits = {}
+    try:
+        for w in ("", wire):
+            async with ChainSession(chain, 64, f"wire-{w}", wire_dtype=w) as session:
+                r = await session.step(ids, sampling=stage_pb2.SamplingParams(), return_logits=True)
+                logits[w] = tensor_codec.decode(r.logits)
+        assert (logits[wire] - logits[""]).abs().max() <= max_logit_error
+        first = mesh.stage_stub(0, 0)
+        async with ChainSession(chain, 64, "bytes", wire_dtype=wire):
+            await first.OpenSession(stage_pb2.OpenSessionRequest(session_id="probe", max_length=8))
+            request = stage_pb2.ForwardRequest(session_id="probe", start=0, wire_dtype=wire,
+                                               token_ids=tensor_codec.encode_ids([5, 6]))
+            async for response in first.Forward(iter([request])):
+                assert len(response.hidden.data) == 2 * 256 * bytes_per_value
+    finally:
+        for s in chain.stages:
+            await s.close()
+        await mesh.stop()
