@@ -279,13 +279,14 @@ class StageModel(nn.Module):
         self.rope_scale = rope_scale
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # rope_tables(), made on first use
 
+    # Read from a norm weight: Linear layers may be quantized (stage_server/quantize.py).
     @property
     def dtype(self) -> torch.dtype:
-        return self.layers[0].mlp.down_proj.weight.dtype
+        return self.layers[0].input_layernorm.weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.layers[0].mlp.down_proj.weight.device
+        return self.layers[0].input_layernorm.weight.device
 
     def rotary(self, steps: list[StepSlice], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin (see rope_tables) of the batch's positions: [T, 1, head_dim] each."""
@@ -337,15 +338,6 @@ def checkpoint_names(name: str) -> list[str]:
     return [f"{part}.{param}" for part in FUSED.get(module, (module,))]
 
 
-def column_major(weight: torch.Tensor, device: str | torch.device) -> torch.Tensor:
-    """A Linear weight [out, in] with the same values, laid out as its transpose ([in, out] in
-    memory), on CPU: F.linear of one token (a GEMV, every decode step) is ~20% faster over that
-    layout; with many tokens it makes no difference."""
-    if torch.device(device).type != "cpu":
-        return weight
-    return weight.t().contiguous().t()
-
-
 def _weight_files(model_dir: Path) -> dict[str, Path]:
     """Maps each tensor name to the safetensors file that holds it."""
     index = model_dir / "model.safetensors.index.json"
@@ -376,42 +368,45 @@ def load_stage(
     with torch.device("meta"):
         model = StageModel(args, layer_start, layer_end, inv_freq, rope_scale)
 
-    wanted: dict[str, str] = {}  # checkpoint name -> our parameter name
+    sources: dict[str, list[str]] = {}  # our parameter name -> the checkpoint tensors it is made of
     for slot, i in enumerate(range(layer_start, layer_end)):
         for name, _ in model.layers[slot].named_parameters():
-            for part in checkpoint_names(name):
-                wanted[f"model.layers.{i}.{part}"] = f"layers.{slot}.{name}"
+            sources[f"layers.{slot}.{name}"] = [f"model.layers.{i}.{part}" for part in checkpoint_names(name)]
     if model.is_first:
-        wanted["model.embed_tokens.weight"] = "embed_tokens.weight"
+        sources["embed_tokens.weight"] = ["model.embed_tokens.weight"]
     if model.is_last:
-        wanted["model.norm.weight"] = "norm.weight"
-        head = "model.embed_tokens.weight" if args.tie_word_embeddings else "lm_head.weight"
-        if head not in wanted:  # tied and also first: one tensor, two uses (below)
-            wanted[head] = "lm_head.weight"
+        sources["norm.weight"] = ["model.norm.weight"]
+        if not (model.is_first and args.tie_word_embeddings):  # tied and also first: one tensor, two uses
+            head = "model.embed_tokens.weight" if args.tie_word_embeddings else "lm_head.weight"
+            sources["lm_head.weight"] = [head]
 
+    device_type = torch.device(device).type
     files = _weight_files(model_dir)
-    missing = [name for name in wanted if name not in files]
+    missing = [name for names in sources.values() for name in names if name not in files]
     if missing:
         raise ValueError(f"checkpoint {model_dir} lacks tensors {missing[:5]}")
-    parts: dict[str, list[torch.Tensor]] = {}  # our name -> its checkpoint tensors, in order
-    by_file: dict[Path, list[str]] = {}
-    for name in wanted:
-        by_file.setdefault(files[name], []).append(name)
-    loaded: dict[str, torch.Tensor] = {}
-    for path, names in by_file.items():
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in names:
-                loaded[name] = f.get_tensor(name).to(device=device, dtype=dtype)
-    for name in wanted:  # wanted keeps checkpoint_names' order
-        parts.setdefault(wanted[name], []).append(loaded.pop(name))
     state: dict[str, torch.Tensor] = {}
-    for ours in list(parts):  # one new copy at a time: the peak stays near the weights' size
-        ts = parts.pop(ours)
-        t = ts[0] if len(ts) == 1 else torch.cat(ts)
-        if ours.endswith("proj.weight") or ours == "lm_head.weight":
-            t = column_major(t, device)
+    for ours, names in sources.items():
+        shape = model.get_parameter(ours).shape  # on the meta model: the fused shape
+        if device_type == "cpu" and (ours.endswith("proj.weight") or ours == "lm_head.weight"):
+            # Linear weights laid out as their transpose ([in, out] in memory): F.linear of one
+            # token (a GEMV, every decode step) is ~20% faster over it on CPU.
+            t = torch.empty(shape[1], shape[0], dtype=dtype, device=device).t()
+        else:
+            t = torch.empty(shape, dtype=dtype, device=device)
+        row = 0
+        for name in names:  # each part copied once, straight from the file into its rows
+            with safe_open(str(files[name]), framework="pt", device="cpu") as f:
+                part = f.get_tensor(name)  # a view of the file's memory map, closed right after
+                rows = t[row : row + part.shape[0]]
+                if part.shape != rows.shape:
+                    raise ValueError(f"checkpoint tensor {name} has shape {list(part.shape)}; "
+                                     f"expected {list(rows.shape)}")
+                rows.copy_(part)
+            row += part.shape[0]
+        if row != shape[0]:
+            raise ValueError(f"checkpoint tensors {names} have {row} rows in all; expected {shape[0]}")
         state[ours] = t
-        del ts, t
     if model.is_first and model.is_last and args.tie_word_embeddings:
         state["lm_head.weight"] = state["embed_tokens.weight"]
     model.to_empty(device=device)

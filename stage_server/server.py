@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from grpc_health.v1 import health_pb2
 from stage_server.batcher import BatcherConfig, StepBatcher
 from stage_server.kv_pool import KVPool
 from stage_server.model import StageModel, load_stage
+from stage_server.quantize import quantize
 from stage_server.sessions import SessionTable
 from stage_server.stage_service import StageService
 from stagemesh import grpc_server
@@ -56,6 +58,8 @@ class StageConfig:
     """Memory budget announced to the scheduler (default: the memory available at start)."""
     speed: float = 1.0
     """Relative speed announced to the scheduler."""
+    quantize: str = "none"
+    """none, or int8 (Linear weights in int8; CPU, float32)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in TORCH_DTYPES:
@@ -144,8 +148,13 @@ class StageServer:
         """Reads the slice's weights (blocking: call it off the event loop when serving)."""
         if self.config.threads:
             torch.set_num_threads(self.config.threads)
-        return load_stage(self.config.model, layer_start, layer_end, dtype=TORCH_DTYPES[self.config.dtype],
-                          device=self.device)
+        t0 = time.perf_counter()
+        model = load_stage(self.config.model, layer_start, layer_end, dtype=TORCH_DTYPES[self.config.dtype],
+                           device=self.device)
+        model = quantize(model, self.config.quantize)
+        log.info(f"loaded layers {model.layer_start}:{model.layer_end} in {time.perf_counter() - t0:.2f}s "
+                 f"(cold start, before serving)", extra={"stage": self.address})
+        return model
 
     async def activate(self, model: StageModel) -> None:
         """Serves model from now on; sessions of a previous slice are closed."""

@@ -85,7 +85,8 @@ def stage_budget_gb(model: str, stages: int, dtype: str, headroom: float = 0.2) 
 
 def start_local_mesh(model: str, *, stages: int, replicas: int = 1, router_port: int = 50051,
                      dtype: str = "float32", threads: int | None = None, prefill_chunk: int = 256,
-                     extra_stage_args: list[str] | None = None, registry: str | None = None,
+                     extra_stage_args: list[str] | None = None, extra_router_args: list[str] | None = None,
+                     registry: str | None = None,
                      log_dir: Path | None = None) -> tuple[LocalMesh, Process]:
     """Without registry: stages with fixed, even layer ranges and a router over them. With registry
     ("local", or a consul:// URL): a scheduler places layers on stages that announce a memory budget
@@ -96,7 +97,8 @@ def start_local_mesh(model: str, *, stages: int, replicas: int = 1, router_port:
     mesh = LocalMesh(model, log_dir or Path(tempfile.mkdtemp(prefix="stagemesh-")))
     env = stage_env(threads)
     stage_args = ["stage", "--model", model, "--dtype", dtype, *(extra_stage_args or [])]
-    router_args = ["router", "--model", model, "--port", str(router_port), "--prefill-chunk", str(prefill_chunk)]
+    router_args = ["router", "--model", model, "--port", str(router_port), "--prefill-chunk", str(prefill_chunk),
+                   *(extra_router_args or [])]
     try:
         if registry:
             url = registry
