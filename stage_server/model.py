@@ -338,6 +338,27 @@ def checkpoint_names(name: str) -> list[str]:
     return [f"{part}.{param}" for part in FUSED.get(module, (module,))]
 
 
+def _copy_rows(dest: torch.Tensor, path: Path, name: str) -> int:
+    """Copies checkpoint tensor `name` into the first rows of dest (converting dtype, device and
+    layout on the way) and returns how many rows it has. It goes ~16 MiB at a time, each piece
+    of the file mapped only while it is copied, so that the file's pages do not pile up in this
+    process's memory next to the copy."""
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        shape = f.get_slice(name).get_shape()
+    if not shape or shape[0] > dest.shape[0] or shape[1:] != list(dest.shape[1:]):
+        raise ValueError(f"checkpoint tensor {name} has shape {shape}; expected rows of {list(dest.shape[1:])}")
+    n = shape[0]
+    slab = max(1, (16 << 20) // (dest[0].numel() * dest.element_size()))
+    for r in range(0, n, slab):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            piece, rows = f.get_slice(name)[r : r + slab], dest[r : min(n, r + slab)]
+            if rows.dim() == 2 and rows.stride(0) == 1:  # column-major: copy whole rows of memory
+                rows.t().copy_(piece.t().contiguous())
+            else:
+                rows.copy_(piece)
+    return n
+
+
 def _weight_files(model_dir: Path) -> dict[str, Path]:
     """Maps each tensor name to the safetensors file that holds it."""
     index = model_dir / "model.safetensors.index.json"
@@ -387,23 +408,21 @@ def load_stage(
         raise ValueError(f"checkpoint {model_dir} lacks tensors {missing[:5]}")
     state: dict[str, torch.Tensor] = {}
     for ours, names in sources.items():
+        transposed = device_type == "cpu" and (ours.endswith("proj.weight") or ours == "lm_head.weight")
+        if len(names) == 1 and not transposed:  # as stored: on CPU a view of the file, read on use
+            with safe_open(str(files[names[0]]), framework="pt", device="cpu") as f:
+                state[ours] = f.get_tensor(names[0]).to(device=device, dtype=dtype)
+            continue
         shape = model.get_parameter(ours).shape  # on the meta model: the fused shape
-        if device_type == "cpu" and (ours.endswith("proj.weight") or ours == "lm_head.weight"):
+        if transposed:
             # Linear weights laid out as their transpose ([in, out] in memory): F.linear of one
             # token (a GEMV, every decode step) is ~20% faster over it on CPU.
             t = torch.empty(shape[1], shape[0], dtype=dtype, device=device).t()
         else:
             t = torch.empty(shape, dtype=dtype, device=device)
         row = 0
-        for name in names:  # each part copied once, straight from the file into its rows
-            with safe_open(str(files[name]), framework="pt", device="cpu") as f:
-                part = f.get_tensor(name)  # a view of the file's memory map, closed right after
-                rows = t[row : row + part.shape[0]]
-                if part.shape != rows.shape:
-                    raise ValueError(f"checkpoint tensor {name} has shape {list(part.shape)}; "
-                                     f"expected {list(rows.shape)}")
-                rows.copy_(part)
-            row += part.shape[0]
+        for name in names:  # the parts, one after another along the rows
+            row += _copy_rows(t[row:], files[name], name)
         if row != shape[0]:
             raise ValueError(f"checkpoint tensors {names} have {row} rows in all; expected {shape[0]}")
         state[ours] = t
