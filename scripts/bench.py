@@ -474,11 +474,10 @@ def run_mesh(model: str, stages: int, replicas: int, args: argparse.Namespace, p
 
     started = time.perf_counter()
     result = SystemResult(f"mesh {stages}x{replicas}", stages, replicas, args.prefill_chunk)
-    stage_args = ["--device", "cpu", "--threads", str(args.threads),
-                  "--kv-cache-gb", f"{kv_cache_gb(config, args.dtype, w):.3f}"]
+    stage_args = ["--device", "cpu", "--kv-cache-gb", f"{kv_cache_gb(config, args.dtype, w):.3f}"]
     log_dir.mkdir(parents=True, exist_ok=True)
     mesh, router = start_local_mesh(model, stages=stages, replicas=replicas, router_port=0, dtype=args.dtype,
-                                    threads=args.threads, prefill_chunk=args.prefill_chunk,
+                                    threads=args.stage_threads, prefill_chunk=args.prefill_chunk,
                                     extra_stage_args=stage_args, log_dir=log_dir)
     try:
         print(f"  {result.system}: up in {time.perf_counter() - started:.0f}s", flush=True)
@@ -652,7 +651,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="a smoke run: stages 1,2; concurrency 1,4; fewer runs")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                    else os.cpu_count(),
-                   help="torch threads for transformers, each stage and the GEMV (default: this machine's CPUs)")
+                   help="torch threads for transformers and the GEMV (default: this machine's CPUs)")
+    p.add_argument("--stage-threads", type=int, default=None,
+                   help="torch threads per stage process (default: the CPUs shared among the mesh's stages)")
     p.add_argument("--prefill-chunk", type=int, default=256, help="the router's pipelined prefill chunk")
     p.add_argument("--stages", type=ints, help="override: stages per chain, e.g. 1,2,4")
     p.add_argument("--replicas", type=ints, help="override: chains, e.g. 1,2")

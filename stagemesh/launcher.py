@@ -95,8 +95,11 @@ def start_local_mesh(model: str, *, stages: int, replicas: int = 1, router_port:
 
     num_layers = AutoConfig.from_pretrained(model, local_files_only=True).num_hidden_layers
     mesh = LocalMesh(model, log_dir or Path(tempfile.mkdtemp(prefix="stagemesh-")))
+    if threads is None:
+        # Co-located stages share the cores: one torch thread each beat two on 2 cores (README).
+        threads = max(1, (os.cpu_count() or 1) // (stages * replicas))
     env = stage_env(threads)
-    stage_args = ["stage", "--model", model, "--dtype", dtype, *(extra_stage_args or [])]
+    stage_args = ["stage", "--model", model, "--dtype", dtype, "--threads", str(threads), *(extra_stage_args or [])]
     router_args = ["router", "--model", model, "--port", str(router_port), "--prefill-chunk", str(prefill_chunk),
                    *(extra_router_args or [])]
     try:
