@@ -278,6 +278,7 @@ class StageModel(nn.Module):
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self.rope_scale = rope_scale
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # rope_tables(), made on first use
+        self.load_s = 0.0  # how long loading took (cold start), set by the stage server
 
     # Read from a norm weight: Linear layers may be quantized (stage_server/quantize.py).
     @property

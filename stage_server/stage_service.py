@@ -179,4 +179,5 @@ class StageService(stage_pb2_grpc.StageServicer):
             kv_capacity_bytes=self.sessions.pool.capacity_bytes,
             queued_steps=self.batcher.queued,
             step_ms=self.batcher.step_ms,
+            load_s=model.load_s,
         )

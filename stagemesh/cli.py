@@ -34,6 +34,7 @@ def cmd_stage(a: argparse.Namespace) -> None:
         dtype=a.dtype, kv_cache_gb=a.kv_cache_gb, session_timeout_s=a.session_timeout,
         batch_window_ms=a.batch_window_ms, max_batch_tokens=a.max_batch_tokens, threads=a.threads,
         registry=a.registry, model_name=a.model_name, memory_gb=a.memory_gb, speed=a.speed, quantize=a.quantize,
+        preload=a.preload,
     )))
 
 
@@ -104,6 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="wait this long for more steps to batch together")
     s.add_argument("--max-batch-tokens", type=int, default=2048)
     s.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    s.add_argument("--preload", action="store_true",
+                   help="read every weight page at start (cold start is then reported apart from serving)")
     s.add_argument("--quantize", default="none", choices=["none", "int8"],
                    help="int8: Linear weights in int8 (CPU, float32; see the README for its accuracy cost)")
     s.set_defaults(func=cmd_stage)

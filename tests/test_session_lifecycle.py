@@ -72,3 +72,12 @@ async def test_idle_session_expires(tiny_model):
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
     finally:
         await short.stop()
+
+
+async def test_preloaded_stage_reports_its_cold_start(tiny_model):
+    mesh = await start_mesh(tiny_model, [splits(8)], router=False, stage_options={"preload": True})
+    try:
+        info = await mesh.stage_stub(0, 0).Info(stage_pb2.InfoRequest())
+        assert 0 < info.load_s < 60
+    finally:
+        await mesh.stop()
