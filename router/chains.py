@@ -44,6 +44,7 @@ class ChainSet:
         wanted = [p.chain_id for p in published]
         if wanted == list(existing):
             return False
+        wanted_ids = set(wanted)
         new = []
         for p in published:
             chain = existing.get(p.chain_id)
@@ -51,7 +52,7 @@ class ChainSet:
                 stages = [StageEndpoint(s.address, s.layer_start, s.layer_end) for s in p.stages]
                 chain = Chain(stages, chain_id=p.chain_id, healthy=False)  # healthy after its first check
             new.append(chain)
-        gone = [c for c in self.chains if c.chain_id not in set(wanted)]
+        gone = [c for c in self.chains if c.chain_id not in wanted_ids]
         self.chains = new
         for chain in gone:
             log.info(f"chain {chain.chain_id} ({chain.label}) withdrawn", extra={"chain": chain.chain_id})

@@ -149,28 +149,29 @@ class RouterService(router_pb2_grpc.RouterServicer):
     async def GenerateBatch(self, request, context):
         if not request.requests:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "requests is empty")
-        out: asyncio.Queue = asyncio.Queue()
+        out: asyncio.Queue[router_pb2.GenerateBatchResponse | None] = asyncio.Queue()
 
         async def run(index: int, sub: router_pb2.GenerateRequest) -> None:
             try:
                 req = self.to_generation_request(sub, context)
                 async for response in self._stream(req):
-                    await out.put(router_pb2.GenerateBatchResponse(index=index, response=response))
+                    out.put_nowait(router_pb2.GenerateBatchResponse(index=index, response=response))
             except InvalidRequest as exc:
-                await out.put(router_pb2.GenerateBatchResponse(
+                out.put_nowait(router_pb2.GenerateBatchResponse(
                     index=index, error_code=exc.code.value[0], error_message=f"request {index}: {exc}"))
+            finally:
+                out.put_nowait(None)  # this prompt is done
 
         # Each prompt runs as its own stream; the chain picker spreads them over all usable chains.
         tasks = [asyncio.ensure_future(run(i, sub)) for i, sub in enumerate(request.requests)]
-        done = asyncio.ensure_future(asyncio.gather(*tasks))
+        running = len(tasks)
         try:
-            while not (done.done() and out.empty()):
-                getter = asyncio.ensure_future(out.get())
-                await asyncio.wait([getter, done], return_when=asyncio.FIRST_COMPLETED)
-                if getter.done():
-                    yield getter.result()
+            while running:
+                item = await out.get()
+                if item is None:
+                    running -= 1
                 else:
-                    getter.cancel()
+                    yield item
         finally:
             for t in tasks:
                 t.cancel()

@@ -30,6 +30,10 @@ class PublishedChain:
             ).hexdigest()[:10]
             object.__setattr__(self, "chain_id", f"chain-{digest}")
 
+    @property
+    def label(self) -> str:
+        return " -> ".join(f"{s.address}[{s.layer_start}:{s.layer_end}]" for s in self.stages)
+
 
 def encode_chains(chains: list[PublishedChain]) -> bytes:
     return json.dumps({"chains": [asdict(c) for c in chains]}, sort_keys=True).encode()

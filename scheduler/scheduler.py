@@ -4,6 +4,7 @@ pipeline chains that routers use. Several may run; only the holder of the leader
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
 from dataclasses import dataclass, field
@@ -97,10 +98,8 @@ class Scheduler:
 
     async def stop(self) -> None:
         if self.leading:
-            try:
+            with contextlib.suppress(RegistryError):
                 await self.registry.release_lock(leader_key(self.name), self.config.scheduler_id)
-            except RegistryError:
-                pass
 
     async def _lead(self) -> None:
         loop = asyncio.get_running_loop()
@@ -171,6 +170,5 @@ class Scheduler:
             if not (await self._write(plan_key(self.name), f"{new_plan.explanation}\n{summary}".encode())
                     and await self._write(chains_key(self.name), encode_chains(ready))):
                 return
-            log.info(f"{summary}: " + "; ".join(
-                " -> ".join(f"{s.address}[{s.layer_start}:{s.layer_end}]" for s in c.stages) for c in ready))
+            log.info(f"{summary}: " + "; ".join(c.label for c in ready))
             self.published = ready

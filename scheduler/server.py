@@ -51,6 +51,5 @@ async def print_plan(registry_url: str, model_name: str) -> str:
         return f"no plan for model {model_name!r} in {registry_url}: is a scheduler running for it?"
     lines = [plan.decode(), "", "published chains:"]
     for chain in decode_chains(chains):
-        lines.append(f"  {chain.chain_id}: " + " -> ".join(
-            f"{s.address}[{s.layer_start}:{s.layer_end}]" for s in chain.stages))
+        lines.append(f"  {chain.chain_id}: {chain.label}")
     return "\n".join(lines)

@@ -175,7 +175,7 @@ class StageServer:
         self.batcher = StepBatcher(model, BatcherConfig(config.batch_window_ms / 1000, config.max_batch_tokens))
         self.batcher.start()
         self.model = model
-        self.slot.current = StageService(model, self.sessions, self.batcher, Path(config.model).name)
+        self.slot.current = StageService(model, self.sessions, self.batcher, config.model_name)
         await grpc_server.set_serving(self.health, [SERVICE_NAME], True)
         log.info(
             f"stage serving layers {model.layer_start}:{model.layer_end} of {args.num_layers} on {self.address} "

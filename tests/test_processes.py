@@ -9,7 +9,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from safetensors import safe_open
 
-from stagemesh.launcher import start_local_mesh
+from stagemesh.launcher import stage_budget_gb, stage_env, start_local_mesh, wait_for_chains
 from stagemesh.v1 import router_pb2, router_pb2_grpc, stage_pb2, stage_pb2_grpc
 from tests.conftest import hf_greedy
 
@@ -70,8 +70,6 @@ def test_router_reports_not_serving_when_its_only_chain_dies(local_mesh):
 
 
 def test_kill_9_of_a_stage_withdraws_its_chain_and_a_spare_restores_it(tiny_model, tmp_path):
-    from stagemesh.launcher import stage_budget_gb, stage_env, start_local_mesh, wait_for_chains
-
     mesh, router = start_local_mesh(str(tiny_model), stages=2, replicas=2, router_port=0, registry="local",
                                     log_dir=tmp_path)
     try:
