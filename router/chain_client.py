@@ -7,12 +7,13 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import time
 import uuid
 from dataclasses import dataclass, field
 
 import grpc
 
-from stagemesh import grpc_server, tensor_codec
+from stagemesh import grpc_server, metrics, tensor_codec
 from stagemesh.v1 import stage_pb2, stage_pb2_grpc
 
 log = logging.getLogger("stagemesh.router")
@@ -80,6 +81,7 @@ class ChainSession:
         self.deadline = deadline  # loop.time() by which the request must be done
         self.session_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
         self.position = 0  # positions already in every stage's cache
+        self._token_read_at: float | None = None  # when the last token came back, for TOKEN_TURNAROUND
         self._streams: list[grpc.aio.StreamStreamCall] = []
         self._opened: list[StageEndpoint] = []
 
@@ -142,6 +144,9 @@ class ChainSession:
         call = self._streams[index]
         try:
             await call.write(request)
+            if index == 0 and self._token_read_at is not None:
+                metrics.TOKEN_TURNAROUND.observe(time.perf_counter() - self._token_read_at)
+                self._token_read_at = None
             response = await call.read()
         except asyncio.InvalidStateError:  # the stream had already ended: its status says why
             response = grpc.aio.EOF
@@ -175,6 +180,7 @@ class ChainSession:
                 response = await self._exchange(i, request)
                 tensor = response.hidden
             self.position += len(token_ids)
+            self._token_read_at = time.perf_counter()
             return response
 
         chunks = [token_ids[i : i + chunk_size] for i in range(0, len(token_ids), chunk_size)]
@@ -204,4 +210,5 @@ class ChainSession:
             raise
         response = results[-1]
         self.position += len(token_ids)
+        self._token_read_at = time.perf_counter()
         return response

@@ -1,22 +1,35 @@
-"""The router's own per-token cost: a real router process in front of a stage that answers instantly.
+"""The router's own per-token cost: a real router process in front of a stage that does no work.
 
-    python scripts/bench_router.py [--streams 1,100,1000] [--tokens 64]
+    python scripts/bench_router.py [--streams 1,100,1000] [--tokens 32] [--step-ms 0,1000] [--repeats 3]
 
 The "instant stage" below is a measuring device, not a model: it implements stagemesh.v1.Stage and
-returns token 5 for every step at once, so what remains is the router (validation, admission,
-its per-token loop, detokenizing, streaming) plus the gRPC hops. It reports, per concurrency:
-the router process's CPU time per token (from /proc, so it counts only the router), and the
-inter-token gap the callers see (median, p99).
+answers every step with token 5, either at once (--step-ms 0: the mesh runs flat out and the router is
+the bottleneck) or after a step time drawn uniformly from 0.5..1.5 x --step-ms (a stage that computes,
+without spending CPU on it), so that 1,000 streams offer a load the machine can carry. Per setting,
+medians over --repeats runs:
+
+- router CPU ms/token: the router process's CPU time (from /proc) over the tokens streamed;
+- turnaround as the stage sees it: from the stage sending a session's token to receiving that session's
+  next step, i.e. two loopback hops plus everything the router does per token (exact samples);
+- turnaround as the router sees it: its stagemesh_router_token_turnaround_seconds histogram, from
+  reading the last stage's token to writing the next step (p99 as the bucket bound it falls in);
+- the inter-token gap the callers see (with --step-ms > 0 it includes the stage's step time).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import os
+import random
+import signal
+import socket
 import statistics
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -28,10 +41,14 @@ from stagemesh import grpc_server  # noqa: E402
 from stagemesh.launcher import READY, ensure_tiny_model, stage_env  # noqa: E402
 from stagemesh.v1 import router_pb2, router_pb2_grpc, stage_pb2, stage_pb2_grpc  # noqa: E402
 
+TURNAROUND_METRIC = "stagemesh_router_token_turnaround_seconds_bucket"
+
 
 class InstantStage(stage_pb2_grpc.StageServicer):
-    def __init__(self, num_layers: int):
+    def __init__(self, num_layers: int, step_ms: float):
         self.num_layers = num_layers
+        self.step_s = step_ms / 1000
+        self.turnarounds: list[float] = []  # token sent -> the same session's next step received
 
     async def OpenSession(self, request, context):
         return stage_pb2.OpenSessionResponse(session_id=request.session_id)
@@ -40,21 +57,36 @@ class InstantStage(stage_pb2_grpc.StageServicer):
         return stage_pb2.CloseSessionResponse()
 
     async def Forward(self, request_iterator, context):
+        sent_at = None
         async for request in request_iterator:
+            if sent_at is not None:
+                self.turnarounds.append(time.perf_counter() - sent_at)
+            if self.step_s:
+                await asyncio.sleep(self.step_s * random.uniform(0.5, 1.5))
             yield stage_pb2.ForwardResponse(session_id=request.session_id, token_id=5)
+            sent_at = time.perf_counter()  # the generator resumes once the reply is on its way
 
     async def Info(self, request, context):
         return stage_pb2.StageInfo(layer_start=0, layer_end=self.num_layers, num_layers=self.num_layers,
                                    is_first=True, is_last=True)
 
+    def dump(self, path: Path) -> None:
+        """SIGUSR1: hand the samples so far to the benchmark (written whole, then renamed) and start afresh."""
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.turnarounds))
+        tmp.rename(path)
+        self.turnarounds = []
 
-async def serve_instant_stage(num_layers: int) -> None:
+
+async def serve_instant_stage(num_layers: int, step_ms: float, dump_path: Path) -> None:
+    stage = InstantStage(num_layers, step_ms)
     server = grpc_server.new_server()
-    stage_pb2_grpc.add_StageServicer_to_server(InstantStage(num_layers), server)
+    stage_pb2_grpc.add_StageServicer_to_server(stage, server)
     health = grpc_server.add_health_and_reflection(server, ["stagemesh.v1.Stage"])
     port = grpc_server.bind(server, "127.0.0.1", 0)
     await server.start()
     await grpc_server.set_serving(health, ["stagemesh.v1.Stage"], True)
+    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, stage.dump, dump_path)
     print(f"stage ready on 127.0.0.1:{port}", flush=True)
     await server.wait_for_termination()
 
@@ -67,10 +99,40 @@ def spawn(args: list[str]) -> tuple[subprocess.Popen, str]:
     raise RuntimeError(f"{args} did not start")
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def router_histogram(metrics_port: int) -> dict[float, float]:
+    """Cumulative bucket counts of the router's turnaround histogram, by upper bound."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    buckets = {}
+    for line in text.splitlines():
+        if line.startswith(TURNAROUND_METRIC):
+            le = line.split('le="', 1)[1].split('"', 1)[0]
+            buckets[float(le)] = float(line.rsplit(" ", 1)[1])
+    return buckets
+
+
+def bucket_bound(before: dict[float, float], after: dict[float, float], q: float) -> float:
+    """The smallest bucket bound under which at least q of this run's observations fall."""
+    counts = {le: after[le] - before.get(le, 0.0) for le in sorted(after)}
+    total = counts[float("inf")]
+    return next(le for le, n in counts.items() if total and n >= q * total)
+
+
+def percentile(samples: list[float], q: float) -> float:
+    samples = sorted(samples)
+    return samples[int(q * (len(samples) - 1))]
+
+
 async def one_stream(stub, tokens: int, gaps: list[float]) -> int:
     request = router_pb2.GenerateRequest(token_ids=[5, 6, 7], max_new_tokens=tokens)
     last, n = None, 0
-    async for response in stub.Generate(request, timeout=600):
+    async for response in stub.Generate(request, timeout=1800):
         now = time.perf_counter()
         if last is not None:
             gaps.append(now - last)
@@ -79,7 +141,7 @@ async def one_stream(stub, tokens: int, gaps: list[float]) -> int:
     return n
 
 
-async def run_level(address: str, router_pid: int, streams: int, tokens: int) -> dict:
+async def run_level(address: str, router_pid: int, streams: int, tokens: int) -> tuple[int, float, float, list]:
     router = psutil.Process(router_pid)
     async with grpc.aio.insecure_channel(address) as channel:
         stub = router_pb2_grpc.RouterStub(channel)
@@ -89,48 +151,103 @@ async def run_level(address: str, router_pid: int, streams: int, tokens: int) ->
         counts = await asyncio.gather(*(one_stream(stub, tokens, gaps) for _ in range(streams)))
         wall = time.perf_counter() - t0
         cpu = sum(router.cpu_times()[:2]) - cpu0
-    total = sum(counts)
-    gaps.sort()
-    return {
-        "streams": streams,
-        "tokens": total,
-        "router_cpu_ms_per_token": 1000 * cpu / total,
-        "gap_median_ms": 1000 * statistics.median(gaps),
-        "gap_p99_ms": 1000 * gaps[int(0.99 * (len(gaps) - 1))],
-        "tokens_per_s": total / wall,
-    }
+    return sum(counts), wall, cpu, gaps
+
+
+def collect_stage_samples(stage: subprocess.Popen, path: Path) -> list[float]:
+    path.unlink(missing_ok=True)
+    stage.send_signal(signal.SIGUSR1)
+    for _ in range(200):
+        if path.exists():
+            return json.loads(path.read_text())
+        time.sleep(0.05)
+    raise RuntimeError("the instant stage did not hand over its samples")
+
+
+def measure(model: str, layers: int, step_ms: float, streams_list: list[int], tokens: int,
+            repeats: int) -> list[dict]:
+    dump_path = Path(f"/tmp/bench-router-{os.getpid()}.json")
+    stage, stage_address = spawn([sys.executable, __file__, "--serve-instant-stage", str(layers),
+                                  "--step-ms", str(step_ms), "--dump", str(dump_path)])
+    metrics_port = free_port()
+    router, router_address = spawn([sys.executable, "-m", "stagemesh.cli", "--log-level", "warning", "router",
+                                    "--model", model, "--chain", stage_address, "--port", "0",
+                                    "--metrics-port", str(metrics_port), "--slots-per-chain", "100000"])
+
+    def one_run(streams: int) -> dict:
+        collect_stage_samples(stage, dump_path)  # drop anything from before this run
+        before = router_histogram(metrics_port)
+        total, wall, cpu, gaps = asyncio.run(run_level(router_address, router.pid, streams, tokens))
+        after = router_histogram(metrics_port)
+        seen = collect_stage_samples(stage, dump_path)
+        return {
+            "tokens_per_s": total / wall,
+            "router_cpu_ms_per_token": 1000 * cpu / total,
+            "stage_seen_median_ms": 1000 * statistics.median(seen),
+            "stage_seen_p99_ms": 1000 * percentile(seen, 0.99),
+            "router_seen_p50_le_ms": 1000 * bucket_bound(before, after, 0.50),
+            "router_seen_p99_le_ms": 1000 * bucket_bound(before, after, 0.99),
+            "gap_median_ms": 1000 * statistics.median(gaps),
+            "gap_p99_ms": 1000 * percentile(gaps, 0.99),
+        }
+
+    rows = []
+    try:
+        time.sleep(1.5)  # the router's first health check
+        for streams in streams_list:
+            runs = [one_run(streams) for _ in range(repeats)]
+            row = {"step_ms": step_ms, "streams": streams, "runs": runs}
+            row.update({k: statistics.median(r[k] for r in runs) for k in runs[0]})
+            rows.append(row)
+            print_row(row)
+    finally:
+        for proc in (router, stage):
+            proc.terminate()
+            proc.wait(timeout=10)
+        dump_path.unlink(missing_ok=True)
+    return rows
+
+
+HEADER = (f"{'step ms':>7} {'streams':>7} {'tokens/s':>8} {'router CPU':>10} {'turnaround seen by stage':>24} "
+          f"{'by router':>15} {'caller gap':>15}\n"
+          f"{'':>7} {'':>7} {'':>8} {'ms/token':>10} {'median ms':>11} {'p99 ms':>12} {'p50 ≤':>7} {'p99 ≤':>7} "
+          f"{'median':>7} {'p99':>7}")
+
+
+def print_row(r: dict) -> None:
+    print(f"{r['step_ms']:>7.0f} {r['streams']:>7} {r['tokens_per_s']:>8.0f} {r['router_cpu_ms_per_token']:>10.3f} "
+          f"{r['stage_seen_median_ms']:>11.3f} {r['stage_seen_p99_ms']:>12.3f} {r['router_seen_p50_le_ms']:>7.2f} "
+          f"{r['router_seen_p99_le_ms']:>7.2f} {r['gap_median_ms']:>7.1f} {r['gap_p99_ms']:>7.1f}", flush=True)
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--serve-instant-stage", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--dump", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--model", default=None, help="checkpoint for the router's tokenizer (default: tiny)")
-    p.add_argument("--streams", default="1,100,1000")
-    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--streams", default="1,100,1000", help="concurrent streams, e.g. 1,100,1000")
+    p.add_argument("--tokens", type=int, default=32, help="new tokens per stream")
+    p.add_argument("--step-ms", default="0,1000",
+                   help="the instant stage's mean step time per setting (0: answer at once)")
+    p.add_argument("--repeats", type=int, default=3, help="runs per setting; the table shows their medians")
+    p.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
     a = p.parse_args()
     if a.serve_instant_stage is not None:
-        asyncio.run(serve_instant_stage(a.serve_instant_stage))
+        asyncio.run(serve_instant_stage(a.serve_instant_stage, float(a.step_ms), a.dump))
         return
     model = a.model or str(ensure_tiny_model(Path("models/tiny-llama")))
     from transformers import AutoConfig
 
     layers = AutoConfig.from_pretrained(model).num_hidden_layers
-    stage, stage_address = spawn([sys.executable, __file__, "--serve-instant-stage", str(layers)])
-    router, router_address = spawn([sys.executable, "-m", "stagemesh.cli", "--log-level", "warning", "router",
-                                    "--model", model, "--chain", stage_address, "--port", "0",
-                                    "--slots-per-chain", "100000"])
-    try:
-        time.sleep(1.5)  # the router's first health check
-        print(f"{'streams':>8} {'tokens':>8} {'router CPU ms/token':>20} {'gap median ms':>14} "
-              f"{'gap p99 ms':>11} {'tokens/s':>9}")
-        for streams in (int(s) for s in a.streams.split(",")):
-            r = asyncio.run(run_level(router_address, router.pid, streams, a.tokens))
-            print(f"{r['streams']:>8} {r['tokens']:>8} {r['router_cpu_ms_per_token']:>20.3f} "
-                  f"{r['gap_median_ms']:>14.2f} {r['gap_p99_ms']:>11.2f} {r['tokens_per_s']:>9.0f}", flush=True)
-    finally:
-        for proc in (router, stage):
-            proc.terminate()
-            proc.wait(timeout=10)
+    streams = [int(s) for s in a.streams.split(",")]
+    print(HEADER)
+    rows = []
+    for step_ms in (float(s) for s in a.step_ms.split(",")):
+        rows += measure(model, layers, step_ms, streams, a.tokens, a.repeats)
+    if a.out:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(), "rows": rows},
+                                    indent=1))
 
 
 if __name__ == "__main__":

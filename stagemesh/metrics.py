@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 0.5, 2.5)
 
 # Router
 REQUESTS = Counter("stagemesh_router_requests_total", "Generate requests by how they ended", ["status"])
@@ -17,6 +18,10 @@ QUEUE_WAIT = Histogram("stagemesh_router_queue_wait_seconds", "Time spent waitin
 WAITING = Gauge("stagemesh_router_waiting_requests", "Requests waiting for admission")
 RUNNING = Gauge("stagemesh_router_running_requests", "Requests streaming now")
 USABLE_CHAINS = Gauge("stagemesh_router_usable_chains", "Chains whose stages all serve")
+TOKEN_TURNAROUND = Histogram(
+    "stagemesh_router_token_turnaround_seconds",
+    "The router's share of a decode step: from the last stage's token read to the next step written to the first "
+    "stage (the caller's copy of the token is sent in between)", buckets=OVERHEAD_BUCKETS)
 FAILOVERS = Counter("stagemesh_router_failovers_total", "Streams moved to another chain after a stage failed")
 
 # Stage

@@ -1,4 +1,4 @@
-"""`scripts/bench.py --quick` end to end: it runs, and writes its JSON and plot. Nothing about speed."""
+"""The benchmarks end to end, small: they run and write what they promise. Nothing about speed."""
 
 from __future__ import annotations
 
@@ -35,3 +35,17 @@ def test_bench_quick_writes_json_and_plot(tmp_path):
     png = out / "bench.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "1. single-stream greedy decode" in proc.stdout
+
+
+@pytest.mark.timeout(200)
+def test_bench_router_measures_turnaround_on_both_sides(tmp_path):
+    out = tmp_path / "router.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_router.py"), "--streams", "1,20",
+                           "--tokens", "8", "--step-ms", "0,20", "--repeats", "1", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["step_ms"], r["streams"]) for r in rows] == [(0, 1), (0, 20), (20, 1), (20, 20)]
+    for r in rows:
+        assert r["tokens_per_s"] > 0 and r["stage_seen_p99_ms"] > 0 and r["router_seen_p99_le_ms"] > 0, r
+        assert r["runs"][0]["tokens_per_s"] == r["tokens_per_s"]

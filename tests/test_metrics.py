@@ -19,9 +19,12 @@ async def test_router_metrics_count_tokens_requests_and_refusals(tiny_model):
     mesh = await start_mesh(tiny_model, [splits(4, 4)])
     try:
         tokens, ok = value("stagemesh_router_tokens_total"), value("stagemesh_router_requests_total", status="OK")
+        turnarounds = value("stagemesh_router_token_turnaround_seconds_count")
         ids, _, _ = await collect(mesh.router_stub.Generate(router_pb2.GenerateRequest(token_ids=[5, 6],
                                                                                        max_new_tokens=7)))
         assert value("stagemesh_router_tokens_total") - tokens == len(ids)
+        # one turnaround between each token and the next step; none after the last token
+        assert value("stagemesh_router_token_turnaround_seconds_count") - turnarounds == len(ids) - 1
         assert value("stagemesh_router_requests_total", status="OK") - ok == 1
         assert value("stagemesh_router_time_to_first_token_seconds_count", priority_class="normal") >= 1
         assert value("stagemesh_router_usable_chains") == 1
