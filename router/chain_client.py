@@ -60,6 +60,7 @@ class Chain:
     # and KV-pool bytes free at the fullest one.
     queued_steps: int = 0
     kv_free_bytes: int = 0
+    withdrawn: bool = False  # no longer published: its channels close when its last stream ends
 
     @property
     def label(self) -> str:

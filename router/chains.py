@@ -56,11 +56,21 @@ class ChainSet:
         self.chains = new
         for chain in gone:
             log.info(f"chain {chain.chain_id} ({chain.label}) withdrawn", extra={"chain": chain.chain_id})
-            if chain.in_flight == 0:
-                for stage in chain.stages:
-                    asyncio.get_running_loop().create_task(stage.close())
+            chain.withdrawn = True
+            self._close_if_done(chain)
         self._notify()
         return True
+
+    def release(self, chain: Chain) -> None:
+        """A stream left the chain (it had counted itself in chain.in_flight)."""
+        chain.in_flight -= 1
+        self._close_if_done(chain)
+
+    @staticmethod
+    def _close_if_done(chain: Chain) -> None:
+        if chain.withdrawn and chain.in_flight == 0:
+            for stage in chain.stages:
+                asyncio.get_running_loop().create_task(stage.close())
 
     def usable(self) -> list[Chain]:
         return [c for c in self.chains if c.healthy]

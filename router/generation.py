@@ -108,4 +108,4 @@ async def generate(
                 extra={"request_id": req.request_id, "chain": chain.chain_id},
             )
         finally:
-            chain.in_flight -= 1
+            chains.release(chain)

@@ -2,8 +2,8 @@
 
     python scripts/bench.py             # the tiny model (made in models/tiny-llama if absent): 15-20 min on 2 cores
     python scripts/bench.py --quick     # a smoke run, about 1 min on 2 cores (CI runs it; asserts nothing on speed)
-    python scripts/bench.py --medium    # a ~270M Llama (made in models/llama-270m if absent); the whole plan takes
-                                        # hours on 2 cores: add --quick, or narrow --stages, --levels, --repeats
+    python scripts/bench.py --medium    # a ~270M Llama (made in models/llama-270m if absent): 1 and 2 stages,
+                                        # 1 and 32 streams, ~22 min; --stages/--replicas/--levels widen it
     python scripts/bench.py --model DIR --dtype bfloat16 --threads 2 --out bench-out/
 
 (a) is transformers' generate() in one process (a subprocess of this script, so its peak RSS is its own and
@@ -78,6 +78,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
     if args.quick:
         plan = Plan(stages=[1, 2], replicas=[1], levels=[1, 4], repeats=3, concurrency_repeats=2,
                     gemv_gib=1.0, gemv_runs=7)
+    elif args.medium:  # ~22 minutes on 2 cores (transformers alone ~12: 32 padded streams twice); widen below
+        plan = Plan(stages=[1, 2], replicas=[1], levels=[1, 32], repeats=3, concurrency_repeats=2)
     else:
         plan = Plan(stages=[1, 2, 4], replicas=[1, 2], levels=[1, 4, 16, 32, 64], repeats=5, concurrency_repeats=3)
     if args.stages:

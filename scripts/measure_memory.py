@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -16,11 +17,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from stagemesh.launcher import start_local_mesh  # noqa: E402
 from stagemesh.v1 import router_pb2, router_pb2_grpc, stage_pb2, stage_pb2_grpc  # noqa: E402
 
-MEDIUM = dict(layers=16, hidden=1024, heads=16, kv_heads=16, intermediate=2816, vocab=32000)
+# A 4096-token context so that the benchmarks can time a 2048-token prompt on it.
+MEDIUM = dict(layers=16, hidden=1024, heads=16, kv_heads=16, intermediate=2816, vocab=32000, max_position=4096)
 
 
 def ensure_medium_model(path: Path) -> Path:
-    if not (path / "config.json").exists():
+    """Makes the ~270M random Llama at path unless it is there (a copy with a shorter context is remade)."""
+    config = path / "config.json"
+    if not config.exists() or json.loads(config.read_text())["max_position_embeddings"] != MEDIUM["max_position"]:
         from scripts.make_tiny_model import make_tiny_model
 
         make_tiny_model(path, "llama", **MEDIUM, seed=0)

@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from stagemesh.v1 import router_pb2, stage_pb2
-from tests.conftest import collect, splits, start_mesh
+from tests.conftest import collect, hf_greedy, splits, start_mesh
 
 
 @pytest.fixture(scope="module")
@@ -81,3 +81,20 @@ async def test_preloaded_stage_reports_its_cold_start(tiny_model):
         assert 0 < info.load_s < 60
     finally:
         await mesh.stop()
+
+
+async def test_a_chain_withdrawn_mid_stream_finishes_the_stream_then_closes_its_channels(tiny_model, hf_models):
+    own = await start_mesh(tiny_model, [splits(4, 4)])
+    try:
+        chain = own.router.chains.chains[0]
+        call = own.router_stub.Generate(router_pb2.GenerateRequest(token_ids=[5, 6, 7], max_new_tokens=24))
+        ids = list((await call.read()).token_ids)  # the stream is on the chain now
+        own.router.chains.replace([])  # the scheduler stopped publishing it
+        assert chain.withdrawn and all(s._channel is not None for s in chain.stages)
+        while (response := await call.read()) is not grpc.aio.EOF:
+            ids += response.token_ids
+        assert ids == hf_greedy(hf_models["llama"], [5, 6, 7], 24)
+        await asyncio.sleep(0.1)
+        assert all(s._channel is None for s in chain.stages)
+    finally:
+        await own.stop()
