@@ -1,6 +1,6 @@
 """Speed levers next to their accuracy cost: dtype, int8 weights, hidden states on the wire.
 
-    python scripts/bench_levers.py [--model DIR | --medium] [--tokens 512] [--decode 64]
+    python scripts/bench_levers.py [--model DIR | --medium] [--tokens 512] [--decode 64] [--levers float32,int8 weights]
 
 Accuracy (in one process, the same code the stages run): the float32 model's greedy continuation
 of a prompt is the reference; each lever runs the same sequence teacher-forced and reports how many
@@ -34,7 +34,9 @@ from stagemesh.v1 import router_pb2, router_pb2_grpc  # noqa: E402
 LEVERS = {
     "float32": ("float32", "none", ""),
     "bfloat16": ("bfloat16", "none", ""),
+    "float16": ("float16", "none", ""),
     "int8 weights": ("float32", "int8", ""),
+    "int8 weight-only": ("float32", "int8-weight-only", ""),
     "wire bfloat16": ("float32", "none", "bfloat16"),
     "wire int8": ("float32", "none", "int8"),
 }
@@ -101,7 +103,12 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=512, help="greedy tokens compared for agreement")
     p.add_argument("--decode", type=int, default=64, help="tokens per speed run")
     p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--levers", default=",".join(LEVERS),
+                   help=f"comma-separated, from: {', '.join(LEVERS)} (speeds are relative to the first)")
     a = p.parse_args()
+    levers = a.levers.split(",")
+    if unknown := set(levers) - set(LEVERS):
+        p.error(f"unknown lever(s) {', '.join(sorted(unknown))}; choose from {', '.join(LEVERS)}")
     torch.set_num_threads(2)
     model = a.model or str(ensure_medium_model(Path("models/llama-270m")) if a.medium
                            else ensure_tiny_model(Path("models/tiny-llama")))
@@ -113,7 +120,8 @@ def main() -> None:
           f"1 stream, median of {a.runs} runs of {a.decode} tokens")
     print(f"{'lever':<14} {'top-1 agree':>11} {'max |dlogit|':>13} {'wire B/token':>13} {'tokens/s':>9} {'vs f32':>7}")
     base = None
-    for lever, (dtype, _, wire) in LEVERS.items():
+    for lever in levers:
+        dtype, _, wire = LEVERS[lever]
         logits = ref if lever == "float32" else all_logits(model, lever, seq[:-1])
         agree = (logits[positions].argmax(-1) == ref[positions].argmax(-1)).float().mean().item()
         err = (logits[positions].float() - ref[positions]).abs().max().item()

@@ -107,8 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     s.add_argument("--preload", action="store_true",
                    help="read every weight page at start (cold start is then reported apart from serving)")
-    s.add_argument("--quantize", default="none", choices=["none", "int8"],
-                   help="int8: Linear weights in int8 (CPU, float32; see the README for its accuracy cost)")
+    s.add_argument("--quantize", default="none", choices=["none", "int8", "int8-weight-only"],
+                   help="int8: Linear weights in int8 (int8 kernels on CPU float32, weight-only elsewhere); "
+                        "int8-weight-only: the portable path on any device (see the README for the accuracy cost)")
     s.set_defaults(func=cmd_stage)
 
     r = sub.add_parser("router", help="the front door: streams tokens through pipeline chains")

@@ -96,8 +96,12 @@ def start_local_mesh(model: str, *, stages: int, replicas: int = 1, router_port:
     num_layers = AutoConfig.from_pretrained(model, local_files_only=True).num_hidden_layers
     mesh = LocalMesh(model, log_dir or Path(tempfile.mkdtemp(prefix="stagemesh-")))
     if threads is None:
-        # Co-located stages share the cores: one torch thread each beat two on 2 cores (README).
-        threads = max(1, (os.cpu_count() or 1) // (stages * replicas))
+        # Co-located stages share the cores (README, "Threads"). float32 decode is bandwidth-bound: one
+        # torch thread per stage beat two on 2 cores. A 16-bit GEMV on the CPU is compute-bound on one
+        # thread (half the bandwidth), so the stages of a chain share the chain's cores: one stream's
+        # stages take turns, and OMP_WAIT_POLICY=PASSIVE keeps the waiting one off them.
+        cpus = os.cpu_count() or 1
+        threads = max(1, cpus // (stages * replicas if dtype == "float32" else replicas))
     env = stage_env(threads)
     stage_args = ["stage", "--model", model, "--dtype", dtype, "--threads", str(threads), *(extra_stage_args or [])]
     router_args = ["router", "--model", model, "--port", str(router_port), "--prefill-chunk", str(prefill_chunk),

@@ -95,3 +95,30 @@ async def test_text_prompt_streams_text_that_decodes_the_tokens(meshes, tiny_mod
         router_pb2.GenerateRequest(prompt="The quick brown fox", max_new_tokens=20)))
     assert len(responses) >= 2  # streamed, not one message at the end
     assert text == tok.decode(ids, skip_special_tokens=True)
+
+
+async def test_bfloat16_chain_follows_transformers_in_bfloat16(tiny_models):
+    """Both sides compute in bfloat16 (weights in their row-major layout, as transformers has them); the
+    logits agree to bfloat16's rounding (they are identical today) and so do the greedy tokens."""
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_models["llama"]
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).eval()
+    ids = prompt(24, seed=7)
+    mesh = await start_mesh(model, [splits(4, 4)], stage_options={"dtype": "bfloat16"})
+    try:
+        chain = Chain([StageEndpoint(s.address) for s in mesh.stages[0]])
+        async with ChainSession(chain, max_length=64, request_id="bf16-test") as session:
+            response = await session.step(ids, sampling=stage_pb2.SamplingParams(), return_logits=True)
+        await chain.stages[0].close()
+        await chain.stages[1].close()
+        got = torch.frombuffer(bytearray(response.logits.data), dtype=torch.float32)
+        with torch.inference_mode():
+            ref = hf(torch.tensor([ids])).logits[0, -1].float()
+        torch.testing.assert_close(got, ref, atol=0.05, rtol=0)
+        expected = hf_greedy(hf, ids, 16)
+        tokens, _, _ = await collect(mesh.router_stub.Generate(router_pb2.GenerateRequest(token_ids=ids,
+                                                                                          max_new_tokens=16)))
+        assert tokens == expected
+    finally:
+        await mesh.stop()

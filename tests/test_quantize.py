@@ -8,7 +8,7 @@ import torch
 
 from router.chain_client import Chain, ChainSession, StageEndpoint
 from stage_server.model import load_stage
-from stage_server.quantize import quantize
+from stage_server.quantize import Int8WeightLinear, quantize
 from stagemesh import tensor_codec
 from stagemesh.v1 import stage_pb2
 from tests.conftest import splits, start_mesh
@@ -25,19 +25,35 @@ async def last_logits(mesh, ids: list[int]) -> torch.Tensor:
             await s.close()
 
 
-async def test_int8_stage_serves_logits_close_to_float32(tiny_model):
+@pytest.mark.parametrize("how", ["int8", "int8-weight-only"])
+async def test_int8_stage_serves_logits_close_to_float32(tiny_model, how):
     ids = list(range(10, 40))
     logits = {}
-    for how in ("none", "int8"):
-        mesh = await start_mesh(tiny_model, [splits(4, 4)], router=False, stage_options={"quantize": how})
+    for option in ("none", how):
+        mesh = await start_mesh(tiny_model, [splits(4, 4)], router=False, stage_options={"quantize": option})
         try:
-            logits[how] = await last_logits(mesh, ids)
+            logits[option] = await last_logits(mesh, ids)
         finally:
             await mesh.stop()
-    assert (logits["int8"] - logits["none"]).abs().max() < 0.2
-    assert not torch.equal(logits["int8"], logits["none"])  # it really ran quantized
+    assert (logits[how] - logits["none"]).abs().max() < 0.2
+    assert not torch.equal(logits[how], logits["none"])  # it really ran quantized
 
 
-def test_int8_needs_float32_on_cpu(tiny_model):
-    with pytest.raises(ValueError, match="float32"):
-        quantize(load_stage(tiny_model, 0, 8, dtype=torch.bfloat16), "int8")
+def test_int8_off_cpu_float32_keeps_int8_weights_and_a_scale_per_output_channel(tiny_model):
+    """bfloat16 (and CUDA) take the weight-only path: torch.ao's int8 kernels are CPU/float32 only."""
+    full = load_stage(tiny_model, 0, 8, dtype=torch.bfloat16)
+    reference = full.layers[0].mlp.down_proj.weight.detach().float().clone()
+    before = sum(p.nbytes for p in full.parameters())
+    model = quantize(full, "int8")
+    down = model.layers[0].mlp.down_proj
+    assert isinstance(down, Int8WeightLinear) and down.weight.dtype == torch.int8
+    assert down.scale.shape == (reference.shape[0],)
+    assert (down.weight.float() * down.scale.float()[:, None] - reference).abs().max() <= down.scale.float().max()
+    assert sum(p.nbytes for p in model.parameters()) < 0.7 * before  # int8 weights: half of bfloat16's bytes
+    x = torch.randn(3, reference.shape[1], dtype=torch.bfloat16)
+    assert down(x).dtype == torch.bfloat16
+
+
+def test_unknown_quantization_says_what_to_use(tiny_model):
+    with pytest.raises(ValueError, match="int8-weight-only"):
+        quantize(load_stage(tiny_model, 0, 8), "int4")
