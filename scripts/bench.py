@@ -51,7 +51,7 @@ MEDIUM_DIR = ROOT / "models" / "llama-270m"
 FIRST_ORDINARY_ID = 4  # ids 0..3 are <s>, </s>, <pad>, <unk> in the models make_tiny_model.py writes
 SEED = 1234
 STREAM_TIMEOUT_S = 1800.0  # a guard against a stuck mesh, far above any run
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 # --------------------------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ LEVERS = {
     "float16": ("float16", "none", ""),
     "int8 weights": ("float32", "int8", ""),
     "int8 weight-only": ("float32", "int8-weight-only", ""),
+    "bf16 + int8 weights": ("bfloat16", "int8", ""),
     "wire bfloat16": ("float32", "none", "bfloat16"),
     "wire int8": ("float32", "none", "int8"),
 }
@@ -118,7 +119,7 @@ def main() -> None:
     positions = slice(len(prompt) - 1, len(seq) - 1)  # logits that chose each generated token
     print(f"model {model}; agreement over {a.tokens} greedy tokens (teacher-forced), speed: 2-stage mesh, "
           f"1 stream, median of {a.runs} runs of {a.decode} tokens")
-    print(f"{'lever':<14} {'top-1 agree':>11} {'max |dlogit|':>13} {'wire B/token':>13} {'tokens/s':>9} {'vs f32':>7}")
+    print(f"{'lever':<20} {'top-1 agree':>11} {'max |dlogit|':>13} {'wire B/token':>13} {'tokens/s':>9} {'vs f32':>7}")
     base = None
     for lever in levers:
         dtype, _, wire = LEVERS[lever]
@@ -129,7 +130,7 @@ def main() -> None:
         wire_bytes = len(tensor_codec.encode_hidden(hidden.to(getattr(torch, dtype)), wire).data)
         speed = mesh_decode_speed(model, lever, a.decode, a.runs)
         base = base or speed
-        print(f"{lever:<14} {agree:>11.1%} {err:>13.4f} {wire_bytes:>13} {speed:>9.1f} {speed / base:>6.2f}x",
+        print(f"{lever:<20} {agree:>11.1%} {err:>13.4f} {wire_bytes:>13} {speed:>9.1f} {speed / base:>6.2f}x",
               flush=True)
 
 

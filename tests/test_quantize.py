@@ -52,6 +52,8 @@ def test_int8_off_cpu_float32_keeps_int8_weights_and_a_scale_per_output_channel(
     assert sum(p.nbytes for p in model.parameters()) < 0.7 * before  # int8 weights: half of bfloat16's bytes
     x = torch.randn(3, reference.shape[1], dtype=torch.bfloat16)
     assert down(x).dtype == torch.bfloat16
+    dequantized = down.weight.float() * down.scale.float()[:, None]
+    torch.testing.assert_close(down(x).float(), x.float() @ dequantized.t(), rtol=0.02, atol=0.02)
 
 
 def test_unknown_quantization_says_what_to_use(tiny_model):
