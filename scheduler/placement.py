@@ -71,9 +71,10 @@ class ModelFootprint:
                    tied_embeddings=bool(config.get("tie_word_embeddings")))
 
     @classmethod
-    def from_model_dir(cls, path: str | Path, dtype=None) -> ModelFootprint:
+    def from_model_dir(cls, path: str | Path, dtype=None, quantize: str = "none") -> ModelFootprint:
         """Sizes from config.json and the safetensors headers (no tensor is read), scaled to `dtype`
-        (default: as stored)."""
+        (default: as stored). With quantize "int8"/"int8-weight-only" (stage_server/quantize.py) every
+        Linear weight (projections, LM head) weighs one byte per element plus a scale per output row."""
         path = Path(path)
         config = json.loads((path / "config.json").read_text())
         index = path / "model.safetensors.index.json"
@@ -84,11 +85,17 @@ class ModelFootprint:
             with open(path / fname, "rb") as f:
                 header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
             header.pop("__metadata__", None)
-            tensors |= {name: (math.prod(t["shape"]), t["dtype"]) for name, t in header.items()}
+            tensors |= {name: (math.prod(t["shape"]), t["dtype"], t["shape"][0]) for name, t in header.items()}
+        quantized = quantize != "none"
+
+        def linear_weight(name: str) -> bool:
+            return name.endswith("_proj.weight") or name == "lm_head.weight"
+
         layers: dict[int, int] = {}
         embed = head = 0
-        for name, (numel, code) in tensors.items():
-            nbytes = numel * _itemsize(dtype or code)
+        for name, (numel, code, rows) in tensors.items():
+            size = _itemsize(dtype or code)
+            nbytes = numel + rows * size if quantized and linear_weight(name) else numel * size
             if m := _LAYER.match(name):
                 layers[int(m[1])] = layers.get(int(m[1]), 0) + nbytes
             elif name == "model.embed_tokens.weight":
@@ -98,7 +105,12 @@ class ModelFootprint:
         tied = bool(config.get("tie_word_embeddings")) and "lm_head.weight" not in tensors
         if sorted(layers) != list(range(config["num_hidden_layers"])):
             raise ValueError(f"{path}: checkpoint layers {sorted(layers)} do not match num_hidden_layers")
-        kv = ModelFootprint.from_config(config, dtype or tensors["model.embed_tokens.weight"][1])
+        embed_numel, embed_code, vocab = tensors["model.embed_tokens.weight"]
+        kv = ModelFootprint.from_config(config, dtype or embed_code)
+        if tied and quantized:  # the quantized LM head is an int8 copy: the embedding is not shared
+            return cls(num_layers=len(layers), layer_bytes=max(layers.values()), embed_bytes=embed,
+                       head_bytes=head + embed_numel + vocab * _itemsize(dtype or embed_code),
+                       kv_bytes_per_token_per_layer=kv.kv_bytes_per_token_per_layer)
         return cls(num_layers=len(layers), layer_bytes=max(layers.values()), embed_bytes=embed,
                    head_bytes=head + embed * tied, kv_bytes_per_token_per_layer=kv.kv_bytes_per_token_per_layer,
                    tied_embeddings=tied)

@@ -34,6 +34,8 @@ class SchedulerConfig:
     """The model's name in the registry (default: the directory's name); stages and routers use the same."""
     dtype: str = "float32"
     """The dtype the stages serve in, for sizing."""
+    quantize: str = "none"
+    """The stages' --quantize, for sizing: int8 Linear weights let each host hold more layers."""
     lock_ttl_s: float = 3.0
     """A scheduler that stops renewing the leader lock loses it after this long; a standby takes over."""
     placement: placement.PlacementConfig = field(default_factory=placement.PlacementConfig)
@@ -69,7 +71,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, registry: Registry):
         self.config = config
         self.registry = registry
-        self.footprint = placement.ModelFootprint.from_model_dir(config.model, config.dtype)
+        self.footprint = placement.ModelFootprint.from_model_dir(config.model, config.dtype, config.quantize)
         self.plan: placement.Plan | None = None
         self.published: list[PublishedChain] | None = None
         self.leading = False

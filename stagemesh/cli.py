@@ -60,7 +60,8 @@ def cmd_scheduler(a: argparse.Namespace) -> None:
     from scheduler.scheduler import SchedulerConfig
     from scheduler.server import serve_scheduler
 
-    config = SchedulerConfig(model=a.model, model_name=a.model_name, dtype=a.dtype, lock_ttl_s=a.lock_ttl,
+    config = SchedulerConfig(model=a.model, model_name=a.model_name, dtype=a.dtype, quantize=a.quantize,
+                             lock_ttl_s=a.lock_ttl,
                              placement=PlacementConfig(kv_headroom_fraction=a.kv_headroom))
     _run(serve_scheduler(config, a.registry, a.host, a.registry_port))
 
@@ -141,6 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--registry-port", type=int, default=50050, help="port of the hosted registry (with 'local')")
     c.add_argument("--model-name", default="")
     c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    c.add_argument("--quantize", default="none", choices=["none", "int8", "int8-weight-only"],
+                   help="the stages' --quantize: sizes int8 Linear weights at one byte (more layers per host)")
     c.add_argument("--lock-ttl", type=float, default=3.0, help="seconds before a standby scheduler takes over")
     c.add_argument("--kv-headroom", type=float, default=0.2, help="share of each host's memory kept for KV cache")
     c.set_defaults(func=cmd_scheduler)

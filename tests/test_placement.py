@@ -292,3 +292,25 @@ def test_from_model_dir_adds_up_to_the_checkpoint(tiny_dirs, family):
     half = ModelFootprint.from_model_dir(path, "bfloat16")
     assert half.total_bytes * 2 == total
     assert half.kv_bytes_per_token_per_layer * 2 == m.kv_bytes_per_token_per_layer
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("span", [(0, 3), (0, 1), (1, 3)])
+def test_int8_footprint_is_what_a_quantized_stage_holds(tiny_dirs, family, span):
+    from stage_server.model import load_stage
+    from stage_server.quantize import quantize
+
+    path = tiny_dirs[family]
+    stage = quantize(load_stage(path, *span), "int8-weight-only")
+    held = sum(p.nbytes for p in stage.parameters())
+    m = ModelFootprint.from_model_dir(path, quantize="int8")
+    assert m.stage_bytes(*span) == held
+    assert m.total_bytes < 0.45 * ModelFootprint.from_model_dir(path).total_bytes
+
+
+def test_int8_weights_let_hosts_that_needed_two_stages_serve_alone(tiny_dirs):
+    full = ModelFootprint.from_model_dir(tiny_dirs["llama"])
+    int8 = ModelFootprint.from_model_dir(tiny_dirs["llama"], quantize="int8")
+    hosts = make_hosts(2, int(full.total_bytes * 0.8))  # weights + KV headroom: half the model each
+    assert [len(c.stages) for c in plan(full, hosts).chains] == [2]
+    assert [len(c.stages) for c in plan(int8, hosts).chains] == [1, 1]
