@@ -133,9 +133,13 @@ class ChainSet:
             raise ValueError(f"chain {chain.label} covers layers 0:{expect} of {self.num_layers}")
 
     async def refresh(self) -> None:
-        results = await asyncio.gather(*(self.check(c) for c in self.chains))
+        chains = list(self.chains)  # replace() may run while the checks await
+        results = await asyncio.gather(*(self.check(c) for c in chains))
         changed = False
-        for chain, ok in zip(self.chains, results, strict=True):
+        for chain, ok in zip(chains, results, strict=True):
+            if chain.withdrawn:
+                self._close_if_done(chain)  # its check may have reopened a channel
+                continue
             if ok != chain.healthy:
                 log.info(f"chain {chain.chain_id} ({chain.label}) is {'up' if ok else 'down'}",
                          extra={"chain": chain.chain_id})

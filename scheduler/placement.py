@@ -85,7 +85,7 @@ class ModelFootprint:
             with open(path / fname, "rb") as f:
                 header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
             header.pop("__metadata__", None)
-            tensors |= {name: (math.prod(t["shape"]), t["dtype"], t["shape"][0]) for name, t in header.items()}
+            tensors |= {name: (math.prod(t["shape"]), t["dtype"], (t["shape"] or [1])[0]) for name, t in header.items()}
         quantized = quantize != "none"
 
         def linear_weight(name: str) -> bool:

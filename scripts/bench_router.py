@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import random
 import signal
@@ -120,13 +121,16 @@ def router_histogram(metrics_port: int) -> dict[float, float]:
 def bucket_bound(before: dict[float, float], after: dict[float, float], q: float) -> float:
     """The smallest bucket bound under which at least q of this run's observations fall."""
     counts = {le: after[le] - before.get(le, 0.0) for le in sorted(after)}
-    total = counts[float("inf")]
-    return next(le for le, n in counts.items() if total and n >= q * total)
+    total = counts.get(math.inf, 0.0)
+    return next((le for le, n in counts.items() if total and n >= q * total), math.nan)
 
 
 def percentile(samples: list[float], q: float) -> float:
+    """The smallest sample with at least q of them at or below it (nan when there are none)."""
+    if not samples:
+        return math.nan
     samples = sorted(samples)
-    return samples[int(q * (len(samples) - 1))]
+    return samples[max(0, math.ceil(q * len(samples)) - 1)]
 
 
 async def one_stream(stub, tokens: int, gaps: list[float]) -> int:
@@ -183,11 +187,11 @@ def measure(model: str, layers: int, step_ms: float, streams_list: list[int], to
         return {
             "tokens_per_s": total / wall,
             "router_cpu_ms_per_token": 1000 * cpu / total,
-            "stage_seen_median_ms": 1000 * statistics.median(seen),
+            "stage_seen_median_ms": 1000 * percentile(seen, 0.5),
             "stage_seen_p99_ms": 1000 * percentile(seen, 0.99),
             "router_seen_p50_le_ms": 1000 * bucket_bound(before, after, 0.50),
             "router_seen_p99_le_ms": 1000 * bucket_bound(before, after, 0.99),
-            "gap_median_ms": 1000 * statistics.median(gaps),
+            "gap_median_ms": 1000 * percentile(gaps, 0.5),
             "gap_p99_ms": 1000 * percentile(gaps, 0.99),
         }
 

@@ -380,8 +380,11 @@ def load_stage(
     *,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
+    int8_linears: bool = False,
 ) -> StageModel:
-    """Builds the slice and reads only its own tensors from the checkpoint."""
+    """Builds the slice and reads only its own tensors from the checkpoint. With int8_linears every
+    Linear becomes stage_server.quantize.Int8WeightLinear, each weight quantized on the CPU as it is
+    read: the device never holds the full-precision slice."""
     model_dir = Path(model_dir)
     config = load_hf_config(model_dir)
     args = ModelArgs.from_hf_config(config)
@@ -389,10 +392,16 @@ def load_stage(
     inv_freq, rope_scale = rope_inv_freq(config)
     with torch.device("meta"):
         model = StageModel(args, layer_start, layer_end, inv_freq, rope_scale)
+        if int8_linears:
+            from stage_server.quantize import int8_rows, int8_weight_only
+
+            int8_weight_only(model)  # shapes and dtypes only, on the meta device
 
     sources: dict[str, list[str]] = {}  # our parameter name -> the checkpoint tensors it is made of
     for slot, i in enumerate(range(layer_start, layer_end)):
         for name, _ in model.layers[slot].named_parameters():
+            if name.endswith(".scale"):  # int8 scales: made from their weight below
+                continue
             sources[f"layers.{slot}.{name}"] = [f"model.layers.{i}.{part}" for part in checkpoint_names(name)]
     if model.is_first:
         sources["embed_tokens.weight"] = ["model.embed_tokens.weight"]
@@ -408,29 +417,40 @@ def load_stage(
     if missing:
         raise ValueError(f"checkpoint {model_dir} lacks tensors {missing[:5]}")
     state: dict[str, torch.Tensor] = {}
+
+    def put(name: str, tensor: torch.Tensor) -> None:
+        if int8_linears and (name.endswith("proj.weight") or name == "lm_head.weight"):
+            q, scale = int8_rows(tensor.to(dtype), dtype)  # of the weight the stage would otherwise hold
+            state[name], state[name.removesuffix("weight") + "scale"] = q.to(device), scale.to(device)
+        else:
+            state[name] = tensor.to(device=device, dtype=dtype)
+
     for ours, names in sources.items():
         # float32 only: a bfloat16 GEMV is ~20% slower over the transposed layout (oneDNN prefers rows).
-        transposed = (device_type == "cpu" and dtype == torch.float32
+        transposed = (device_type == "cpu" and dtype == torch.float32 and not int8_linears
                       and (ours.endswith("proj.weight") or ours == "lm_head.weight"))
         if len(names) == 1 and not transposed:  # as stored: on CPU a view of the file, read on use
             with safe_open(str(files[names[0]]), framework="pt", device="cpu") as f:
-                state[ours] = f.get_tensor(names[0]).to(device=device, dtype=dtype)
+                put(ours, f.get_tensor(names[0]))
             continue
         shape = model.get_parameter(ours).shape  # on the meta model: the fused shape
         if transposed:
             # Linear weights laid out as their transpose ([in, out] in memory): F.linear of one
             # token (a GEMV, every decode step) is ~20% faster over it on CPU in float32.
             t = torch.empty(shape[1], shape[0], dtype=dtype, device=device).t()
-        else:
-            t = torch.empty(shape, dtype=dtype, device=device)
+        else:  # int8: assembled on the CPU, then quantized and moved
+            t = torch.empty(shape, dtype=dtype, device="cpu" if int8_linears else device)
         row = 0
         for name in names:  # the parts, one after another along the rows
             row += _copy_rows(t[row:], files[name], name)
         if row != shape[0]:
             raise ValueError(f"checkpoint tensors {names} have {row} rows in all; expected {shape[0]}")
-        state[ours] = t
+        put(ours, t)
     if model.is_first and model.is_last and args.tie_word_embeddings:
-        state["lm_head.weight"] = state["embed_tokens.weight"]
+        if int8_linears:
+            put("lm_head.weight", state["embed_tokens.weight"].cpu())  # an int8 copy: not shared
+        else:
+            state["lm_head.weight"] = state["embed_tokens.weight"]
     model.to_empty(device=device)
     model.load_state_dict(state, strict=True, assign=True)
     model.inv_freq = inv_freq.float().to(device)

@@ -13,13 +13,32 @@ assumed: scripts/bench_levers.py reports top-1 agreement with float32 next to th
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stage_server.model import StageModel
+if TYPE_CHECKING:
+    from stage_server.model import StageModel
 
 QUANTIZATIONS = ("none", "int8", "int8-weight-only")
+
+
+def int8_rows(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 weight, scale per row in dtype), rounded against the scale as stored."""
+    w = weight.detach().float()
+    scale = (w.abs().amax(dim=1).clamp(min=1e-12) / 127).to(dtype)
+    q = torch.round(w / scale.float()[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+    return q, scale
+
+
+def loads_int8_weights(how: str, device_type: str, dtype: torch.dtype) -> bool:
+    """Whether `how` means Int8WeightLinear here (then load_stage quantizes each weight as it reads it,
+    so that the full-precision stage never sits in memory)."""
+    if how not in QUANTIZATIONS:
+        raise ValueError(f"--quantize {how!r}: use one of {', '.join(QUANTIZATIONS)}")
+    return how == "int8-weight-only" or (how == "int8" and (device_type != "cpu" or dtype != torch.float32))
 
 
 class Int8WeightLinear(nn.Module):
@@ -27,11 +46,9 @@ class Int8WeightLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
-        w = linear.weight.detach().float()
-        scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127
-        q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+        q, scale = int8_rows(linear.weight, linear.weight.dtype)
         self.weight = nn.Parameter(q, requires_grad=False)
-        self.scale = nn.Parameter(scale.to(linear.weight.dtype), requires_grad=False)
+        self.scale = nn.Parameter(scale, requires_grad=False)
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -41,11 +58,12 @@ class Int8WeightLinear(nn.Module):
             flat = x.reshape(-1, x.shape[-1])
             out = torch._weight_int8pack_mm(flat, self.weight, self.scale).reshape(*x.shape[:-1], -1)
         else:
-            out = F.linear(x, self.weight.to(x.dtype)) * self.scale
+            out = F.linear(x, self.weight.to(x.dtype) * self.scale[:, None])  # scaled first: float16 range
         return out if self.bias is None else out + self.bias
 
 
 def int8_weight_only(model: StageModel) -> StageModel:
+    """Replaces every nn.Linear (a no-op where load_stage already did)."""
     for parent in list(model.modules()):
         for name, child in parent.named_children():
             if isinstance(child, nn.Linear):
@@ -54,13 +72,9 @@ def int8_weight_only(model: StageModel) -> StageModel:
 
 
 def quantize(model: StageModel, how: str) -> StageModel:
+    if loads_int8_weights(how, model.device.type, model.dtype):
+        return int8_weight_only(model)
     if how == "none":
         return model
-    if how == "int8-weight-only":
-        return int8_weight_only(model)
-    if how != "int8":
-        raise ValueError(f"--quantize {how!r}: use one of {', '.join(QUANTIZATIONS)}")
-    if model.device.type != "cpu" or model.dtype != torch.float32:
-        return int8_weight_only(model)
     qconfig = torch.ao.quantization.per_channel_dynamic_qconfig
     return torch.ao.quantization.quantize_dynamic(model, {nn.Linear: qconfig}, dtype=torch.qint8, inplace=True)

@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2
 from stage_server.batcher import BatcherConfig, StepBatcher
 from stage_server.kv_pool import KVPool
 from stage_server.model import StageModel, load_stage
-from stage_server.quantize import quantize
+from stage_server.quantize import loads_int8_weights, quantize
 from stage_server.sessions import SessionTable
 from stage_server.stage_service import StageService
 from stagemesh import grpc_server
@@ -152,9 +152,10 @@ class StageServer:
         if self.config.threads:
             torch.set_num_threads(self.config.threads)
         t0 = time.perf_counter()
-        model = load_stage(self.config.model, layer_start, layer_end, dtype=TORCH_DTYPES[self.config.dtype],
-                           device=self.device)
-        model = quantize(model, self.config.quantize)
+        dtype = TORCH_DTYPES[self.config.dtype]
+        model = load_stage(self.config.model, layer_start, layer_end, dtype=dtype, device=self.device,
+                           int8_linears=loads_int8_weights(self.config.quantize, self.device.type, dtype))
+        model = quantize(model, self.config.quantize)  # torch.ao's path on CPU float32; else done at load
         if self.config.preload:
             with torch.inference_mode():
                 for p in model.parameters():

@@ -59,3 +59,22 @@ def test_int8_off_cpu_float32_keeps_int8_weights_and_a_scale_per_output_channel(
 def test_unknown_quantization_says_what_to_use(tiny_model):
     with pytest.raises(ValueError, match="int8-weight-only"):
         quantize(load_stage(tiny_model, 0, 8), "int4")
+
+
+def test_int8_loaded_weights_equal_converted_ones(tiny_model):
+    loaded = load_stage(tiny_model, 0, 8, dtype=torch.bfloat16, int8_linears=True)
+    converted = quantize(load_stage(tiny_model, 0, 8, dtype=torch.bfloat16), "int8")
+    assert set(dict(loaded.named_parameters())) == set(dict(converted.named_parameters()))
+    for name, p in loaded.named_parameters():
+        assert torch.equal(p, converted.get_parameter(name)), name
+
+
+def test_float16_int8_weights_stay_finite_with_large_activations():
+    """The scale is applied to the weight before the product: raw int8 values times outlier
+    activations would overflow float16."""
+    linear = torch.nn.Linear(2816, 64, bias=False).half()
+    x = torch.zeros(1, 2816, dtype=torch.float16)
+    x[0, :64] = 300.0
+    out = Int8WeightLinear(linear)(x)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.float(), x.float() @ linear.weight.float().t(), rtol=0.02, atol=0.5)
