@@ -58,7 +58,11 @@ class Int8WeightLinear(nn.Module):
             flat = x.reshape(-1, x.shape[-1])
             out = torch._weight_int8pack_mm(flat, self.weight, self.scale).reshape(*x.shape[:-1], -1)
         else:
-            out = F.linear(x, self.weight.to(x.dtype) * self.scale[:, None])  # scaled first: float16 range
+            weight = self.weight.to(x.dtype)
+            if x.dtype == torch.float16:  # scaled first: raw int8 values x activations overflow float16
+                out = F.linear(x, weight * self.scale[:, None])
+            else:  # one multiply over the output instead of the weight
+                out = F.linear(x, weight) * self.scale
         return out if self.bias is None else out + self.bias
 
 
