@@ -77,7 +77,7 @@ def greedy_reference(model_dir: str, prompt: list[int], tokens: int) -> list[int
 def mesh_decode_speed(model_dir: str, lever: str, decode: int, runs: int) -> float:
     dtype, how, wire = LEVERS[lever]
     mesh, router = start_local_mesh(model_dir, stages=2, router_port=0, dtype=dtype,
-                                    extra_stage_args=["--quantize", how, "--kv-cache-gb", "1"],
+                                    quantize=how, extra_stage_args=["--kv-cache-gb", "1"],
                                     extra_router_args=["--wire-dtype", wire] if wire else [])
     try:
         speeds = []

@@ -77,7 +77,8 @@ def cmd_plan(a: argparse.Namespace) -> None:
 def cmd_up(a: argparse.Namespace) -> None:
     from stagemesh.launcher import run_up
 
-    run_up(model=a.model, stages=a.stages, replicas=a.replicas, port=a.port, dtype=a.dtype, registry=a.registry)
+    run_up(model=a.model, stages=a.stages, replicas=a.replicas, port=a.port, dtype=a.dtype, registry=a.registry,
+           quantize=a.quantize)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -160,6 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--replicas", type=int, default=1, help="chains")
     u.add_argument("--port", type=int, default=50051, help="the router's port")
     u.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    u.add_argument("--quantize", default="none", choices=["none", "int8", "int8-weight-only"],
+                   help="int8 Linear weights in every stage (and the scheduler sizes them so)")
     u.add_argument("--registry", default="local", help="local (embedded, one machine) or consul://HOST:PORT")
     u.set_defaults(func=cmd_up)
     return p

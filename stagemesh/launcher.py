@@ -74,17 +74,18 @@ class LocalMesh:
                 proc.popen.kill()
 
 
-def stage_budget_gb(model: str, stages: int, dtype: str, headroom: float = 0.2) -> float:
+def stage_budget_gb(model: str, stages: int, dtype: str, headroom: float = 0.2, quantize: str = "none") -> float:
     """A memory budget under which the scheduler needs exactly `stages` hosts for one chain."""
     from scheduler.placement import ModelFootprint
 
-    total = ModelFootprint.from_model_dir(model, dtype).total_bytes
+    total = ModelFootprint.from_model_dir(model, dtype, quantize).total_bytes
     share = 1.5 if stages == 1 else (1 + 0.5 / stages) / stages
     return total * share / (1 - headroom) / 2**30
 
 
 def start_local_mesh(model: str, *, stages: int, replicas: int = 1, router_port: int = 50051,
-                     dtype: str = "float32", threads: int | None = None, prefill_chunk: int = 256,
+                     dtype: str = "float32", quantize: str = "none", threads: int | None = None,
+                     prefill_chunk: int = 256,
                      extra_stage_args: list[str] | None = None, extra_router_args: list[str] | None = None,
                      registry: str | None = None,
                      log_dir: Path | None = None) -> tuple[LocalMesh, Process]:
@@ -103,7 +104,9 @@ def start_local_mesh(model: str, *, stages: int, replicas: int = 1, router_port:
         cpus = os.cpu_count() or 1
         threads = max(1, cpus // (stages * replicas if dtype == "float32" else replicas))
     env = stage_env(threads)
-    stage_args = ["stage", "--model", model, "--dtype", dtype, "--threads", str(threads), *(extra_stage_args or [])]
+    stage_args = ["stage", "--model", model, "--dtype", dtype, "--threads", str(threads), "--quantize", quantize,
+                  *(extra_stage_args or [])]
+    sizing = ["--dtype", dtype, "--quantize", quantize]  # the scheduler sizes weights as the stages hold them
     router_args = ["router", "--model", model, "--port", str(router_port), "--prefill-chunk", str(prefill_chunk),
                    *(extra_router_args or [])]
     try:
@@ -111,11 +114,11 @@ def start_local_mesh(model: str, *, stages: int, replicas: int = 1, router_port:
             url = registry
             if registry == "local":
                 proc = mesh.spawn("scheduler", ["scheduler", "--model", model, "--registry", "local",
-                                                "--registry-port", "0", "--dtype", dtype], env)
+                                                "--registry-port", "0", *sizing], env)
                 url = f"local://{proc.address}"
             else:
-                mesh.spawn("scheduler", ["scheduler", "--model", model, "--registry", url, "--dtype", dtype], env)
-            budget = f"{stage_budget_gb(model, stages, dtype):.6f}"
+                mesh.spawn("scheduler", ["scheduler", "--model", model, "--registry", url, *sizing], env)
+            budget = f"{stage_budget_gb(model, stages, dtype, quantize=quantize):.6f}"
             for i in range(stages * replicas):
                 mesh.spawn(f"stage-{i}", [*stage_args, "--registry", url, "--memory-gb", budget], env)
             router = mesh.spawn("router", [*router_args, "--registry", url], env)
@@ -150,11 +153,12 @@ def wait_for_chains(router_address: str, count: int, timeout: float = 120.0) -> 
             time.sleep(0.2)
 
 
-def run_up(model: str | None, stages: int, replicas: int, port: int, dtype: str, registry: str) -> None:
+def run_up(model: str | None, stages: int, replicas: int, port: int, dtype: str, registry: str,
+           quantize: str = "none") -> None:
     if model is None:
         model = str(ensure_tiny_model(Path("models/tiny-llama")))
     mesh, router = start_local_mesh(model, stages=stages, replicas=replicas, router_port=port, dtype=dtype,
-                                    registry=registry)
+                                    quantize=quantize, registry=registry)
     try:
         chains = wait_for_chains(router.address, replicas)
     except BaseException:

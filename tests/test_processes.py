@@ -9,6 +9,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from safetensors import safe_open
 
+from scheduler.placement import ModelFootprint
 from stagemesh.launcher import stage_budget_gb, stage_env, start_local_mesh, wait_for_chains
 from stagemesh.v1 import router_pb2, router_pb2_grpc, stage_pb2, stage_pb2_grpc
 from tests.conftest import hf_greedy
@@ -94,5 +95,27 @@ def test_kill_9_of_a_stage_withdraws_its_chain_and_a_spare_restores_it(tiny_mode
         mesh.spawn("spare", ["stage", "--model", str(tiny_model), "--registry", mesh.registry_url,
                              "--memory-gb", budget], stage_env(None))
         assert len(wait_for_chains(router.address, 2, timeout=30)) == 2
+    finally:
+        mesh.stop()
+
+
+def test_up_with_int8_weights_plans_the_asked_stages_and_serves(tiny_model, tmp_path):
+    """Stages and scheduler agree on int8 sizes: the budget for 2 stages still yields 2-stage chains."""
+    mesh, router = start_local_mesh(str(tiny_model), stages=2, router_port=0, registry="local",
+                                    quantize="int8-weight-only", log_dir=tmp_path)
+    try:
+        chains = wait_for_chains(router.address, 1, timeout=60)
+        assert [len(c.stages) for c in chains] == [2]
+        with grpc.insecure_channel(router.address) as channel:
+            stub = router_pb2_grpc.RouterStub(channel)
+            ids = [t for r in stub.Generate(router_pb2.GenerateRequest(token_ids=[5, 6], max_new_tokens=8), timeout=30)
+                   for t in r.token_ids]
+            assert 1 <= len(ids) <= 8
+            held = 0
+            for stage in chains[0].stages:
+                with grpc.insecure_channel(stage.address) as stage_channel:
+                    held += stage_pb2_grpc.StageStub(stage_channel).Info(stage_pb2.InfoRequest(),
+                                                                         timeout=5).weight_bytes
+        assert held < 0.45 * ModelFootprint.from_model_dir(tiny_model).total_bytes  # int8, not float32
     finally:
         mesh.stop()
