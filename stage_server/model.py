@@ -339,6 +339,11 @@ def checkpoint_names(name: str) -> list[str]:
     return [f"{part}.{param}" for part in FUSED.get(module, (module,))]
 
 
+def _is_linear_weight(name: str) -> bool:
+    """Our parameter names of Linear weights: the layout and int8 choices apply to these only."""
+    return name.endswith("proj.weight") or name == "lm_head.weight"
+
+
 def _copy_rows(dest: torch.Tensor, path: Path, name: str) -> int:
     """Copies checkpoint tensor `name` into the first rows of dest (converting dtype, device and
     layout on the way) and returns how many rows it has. It goes ~16 MiB at a time, each piece
@@ -419,7 +424,7 @@ def load_stage(
     state: dict[str, torch.Tensor] = {}
 
     def put(name: str, tensor: torch.Tensor) -> None:
-        if int8_linears and (name.endswith("proj.weight") or name == "lm_head.weight"):
+        if int8_linears and _is_linear_weight(name):
             q, scale = int8_rows(tensor.to(dtype), dtype)  # of the weight the stage would otherwise hold
             state[name], state[name.removesuffix("weight") + "scale"] = q.to(device), scale.to(device)
         else:
@@ -427,8 +432,7 @@ def load_stage(
 
     for ours, names in sources.items():
         # float32 only: a bfloat16 GEMV is ~20% slower over the transposed layout (oneDNN prefers rows).
-        transposed = (device_type == "cpu" and dtype == torch.float32 and not int8_linears
-                      and (ours.endswith("proj.weight") or ours == "lm_head.weight"))
+        transposed = device_type == "cpu" and dtype == torch.float32 and not int8_linears and _is_linear_weight(ours)
         if len(names) == 1 and not transposed:  # as stored: on CPU a view of the file, read on use
             with safe_open(str(files[names[0]]), framework="pt", device="cpu") as f:
                 put(ours, f.get_tensor(names[0]))

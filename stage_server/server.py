@@ -59,7 +59,7 @@ class StageConfig:
     speed: float = 1.0
     """Relative speed announced to the scheduler."""
     quantize: str = "none"
-    """none, or int8 (Linear weights in int8; CPU, float32)."""
+    """none, int8 or int8-weight-only (stage_server/quantize.py: which path runs where)."""
     preload: bool = False
     """Read every weight page at load, so that no request pays for a cold page (tensors used as
     stored are otherwise views of the memory-mapped safetensors file, read on first use)."""
