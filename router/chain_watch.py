@@ -7,8 +7,8 @@ import asyncio
 import logging
 
 from router.chains import ChainSet
-from scheduler.chain_table import decode_chains
-from scheduler.registry import Registry, RegistryError, chains_key, plan_key
+from stagemesh.discovery.chain_table import decode_chains
+from stagemesh.discovery.registry import Registry, RegistryError, chains_key, plan_key
 
 log = logging.getLogger("stagemesh.router")
 

@@ -38,7 +38,7 @@ class ChainSet:
         self._notified = False
 
     def replace(self, published) -> bool:
-        """Adopts the scheduler's chains (scheduler.chain_table.PublishedChain); a chain that stays keeps
+        """Adopts the scheduler's chains (discovery.chain_table.PublishedChain); a chain that stays keeps
         its state and channels. True if anything changed."""
         existing = {c.chain_id: c for c in self.chains}
         wanted = [p.chain_id for p in published]

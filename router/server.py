@@ -7,11 +7,13 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from router.chain_watch import follow_chains
 from router.chains import ChainSet, parse_chain
 from router.generation import GenerationConfig
 from router.priority_queue import AdmissionConfig, PriorityAdmission
 from router.router_service import RouterService
 from stagemesh import grpc_server, metrics
+from stagemesh.discovery.backends import open_registry
 from stagemesh.signals import until_signalled
 from stagemesh.tensor_codec import WIRE_DTYPES
 from stagemesh.v1 import router_pb2, router_pb2_grpc
@@ -106,9 +108,6 @@ class RouterServer:
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self.chains.watch(self.config.health_interval_s))]
         if self.config.registry:
-            from router.chain_watch import follow_chains
-            from scheduler.registry import open_registry
-
             self.registry = open_registry(self.config.registry)
             self._tasks.append(loop.create_task(follow_chains(self.registry, self.config.model_name, self.chains)))
         usable = len(self.chains.usable())

@@ -8,112 +8,14 @@ which sets the chain's throughput, is as fast as it can be.
 
 from __future__ import annotations
 
-import json
 import math
-import re
-from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 
-ITEMSIZE = {"float64": 8, "float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "float8_e4m3fn": 1,
-            "int8": 1, "uint8": 1, "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "I8": 1, "U8": 1}
-_LAYER = re.compile(r"model\.layers\.(\d+)\.")
-
-
-def _itemsize(dtype) -> int:
-    """Bytes per element; accepts "bfloat16", torch.bfloat16 or a safetensors code like "BF16"."""
-    name = str(dtype).removeprefix("torch.")
-    if name not in ITEMSIZE:
-        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(ITEMSIZE)}")
-    return ITEMSIZE[name]
+from stagemesh.checkpoint import ModelFootprint
 
 
 def _gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**26 else f"{n / 2**20:.2f} MiB" if n >= 2**16 else f"{n:.0f} B"
-
-
-@dataclass(frozen=True)
-class ModelFootprint:
-    """What placement needs to know about a model: how many bytes each piece weighs in the serving dtype."""
-
-    num_layers: int
-    layer_bytes: int  # one decoder layer's weights
-    embed_bytes: int  # held by the first stage
-    head_bytes: int  # final norm + LM head, held by the last stage
-    kv_bytes_per_token_per_layer: int
-    tied_embeddings: bool = False  # then a single stage holds one tensor for both embed and head
-
-    @property
-    def total_bytes(self) -> int:
-        return self.stage_bytes(0, self.num_layers)
-
-    def stage_bytes(self, start: int, end: int) -> int:
-        """Weight bytes of a stage serving layers [start, end)."""
-        first, last = start == 0, end == self.num_layers
-        shared = self.embed_bytes if first and last and self.tied_embeddings else 0
-        return (end - start) * self.layer_bytes + first * self.embed_bytes + last * self.head_bytes - shared
-
-    @classmethod
-    def from_config(cls, config: Mapping, dtype=None) -> ModelFootprint:
-        """Sizes from a Hugging Face config.json dict (Llama/Mistral/Qwen2 layout, as stage_server.model builds)."""
-        family = config.get("model_type", "llama")
-        h, inter, heads = config["hidden_size"], config["intermediate_size"], config["num_attention_heads"]
-        kv_heads = config.get("num_key_value_heads") or heads
-        head_dim = config.get("head_dim") or h // heads
-        q, kv, vocab = heads * head_dim, kv_heads * head_dim, config["vocab_size"]
-        attn_bias = family == "qwen2" or bool(config.get("attention_bias"))
-        mlp_bias = family == "llama" and bool(config.get("mlp_bias"))
-        layer = 2 * h * q + 2 * h * kv + 3 * h * inter + 2 * h  # q, o, k, v, gate/up/down, two norms
-        layer += (q + 2 * kv) * attn_bias + h * (attn_bias and family == "llama") + (2 * inter + h) * mlp_bias
-        size = _itemsize(dtype or config.get("dtype") or config.get("torch_dtype") or "float32")
-        return cls(num_layers=config["num_hidden_layers"], layer_bytes=layer * size, embed_bytes=vocab * h * size,
-                   head_bytes=(h + vocab * h) * size, kv_bytes_per_token_per_layer=2 * kv * size,
-                   tied_embeddings=bool(config.get("tie_word_embeddings")))
-
-    @classmethod
-    def from_model_dir(cls, path: str | Path, dtype=None, quantize: str = "none") -> ModelFootprint:
-        """Sizes from config.json and the safetensors headers (no tensor is read), scaled to `dtype`
-        (default: as stored). With quantize "int8"/"int8-weight-only" (stage_server/quantize.py) every
-        Linear weight (projections, LM head) weighs one byte per element plus a scale per output row."""
-        path = Path(path)
-        config = json.loads((path / "config.json").read_text())
-        index = path / "model.safetensors.index.json"
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else [
-            "model.safetensors"]
-        tensors: dict[str, tuple[int, str]] = {}
-        for fname in files:
-            with open(path / fname, "rb") as f:
-                header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-            header.pop("__metadata__", None)
-            tensors |= {name: (math.prod(t["shape"]), t["dtype"], (t["shape"] or [1])[0]) for name, t in header.items()}
-        quantized = quantize != "none"
-
-        def linear_weight(name: str) -> bool:
-            return name.endswith("_proj.weight") or name == "lm_head.weight"
-
-        layers: dict[int, int] = {}
-        embed = head = 0
-        for name, (numel, code, rows) in tensors.items():
-            size = _itemsize(dtype or code)
-            nbytes = numel + rows * size if quantized and linear_weight(name) else numel * size
-            if m := _LAYER.match(name):
-                layers[int(m[1])] = layers.get(int(m[1]), 0) + nbytes
-            elif name == "model.embed_tokens.weight":
-                embed = nbytes
-            elif name in ("model.norm.weight", "lm_head.weight"):
-                head += nbytes
-        tied = bool(config.get("tie_word_embeddings")) and "lm_head.weight" not in tensors
-        if sorted(layers) != list(range(config["num_hidden_layers"])):
-            raise ValueError(f"{path}: checkpoint layers {sorted(layers)} do not match num_hidden_layers")
-        embed_numel, embed_code, vocab = tensors["model.embed_tokens.weight"]
-        kv = ModelFootprint.from_config(config, dtype or embed_code)
-        if tied and quantized:  # the quantized LM head is an int8 copy: the embedding is not shared
-            return cls(num_layers=len(layers), layer_bytes=max(layers.values()), embed_bytes=embed,
-                       head_bytes=head + embed_numel + vocab * _itemsize(dtype or embed_code),
-                       kv_bytes_per_token_per_layer=kv.kv_bytes_per_token_per_layer)
-        return cls(num_layers=len(layers), layer_bytes=max(layers.values()), embed_bytes=embed,
-                   head_bytes=head + embed * tied, kv_bytes_per_token_per_layer=kv.kv_bytes_per_token_per_layer,
-                   tied_embeddings=tied)
 
 
 @dataclass(frozen=True)

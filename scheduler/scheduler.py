@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from scheduler import placement
-from scheduler.chain_table import PublishedChain, PublishedStage, encode_chains
-from scheduler.registry import (
+from stagemesh.checkpoint import ModelFootprint
+from stagemesh.discovery.chain_table import PublishedChain, PublishedStage, encode_chains
+from stagemesh.discovery.registry import (
     Registry,
     RegistryError,
     ServiceStatus,
@@ -71,7 +72,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, registry: Registry):
         self.config = config
         self.registry = registry
-        self.footprint = placement.ModelFootprint.from_model_dir(config.model, config.dtype, config.quantize)
+        self.footprint = ModelFootprint.from_model_dir(config.model, config.dtype, config.quantize)
         self.plan: placement.Plan | None = None
         self.published: list[PublishedChain] | None = None
         self.leading = False

@@ -1,30 +1,18 @@
-"""Processes of the control plane: `stagemesh registry` (the embedded registry on its own) and
-`stagemesh scheduler` (which can also host the embedded registry, for a one-process start)."""
+"""The scheduler's process: `stagemesh scheduler` (the CLI hosts the embedded registry next to it when
+asked to) and `stagemesh plan`."""
 
 from __future__ import annotations
 
 import asyncio
 
-from scheduler.registry import open_registry, plan_key
-from scheduler.registry_service import start_registry_server
 from scheduler.scheduler import Scheduler, SchedulerConfig
+from stagemesh.discovery.backends import open_registry
+from stagemesh.discovery.chain_table import decode_chains
+from stagemesh.discovery.registry import chains_key, plan_key
 from stagemesh.signals import until_signalled
 
 
-async def serve_registry(host: str, port: int) -> None:
-    server = await start_registry_server(host, port)
-    print(f"registry ready on {server.address}", flush=True)
-    await until_signalled()
-    await server.stop()
-
-
-async def serve_scheduler(config: SchedulerConfig, registry_url: str, host: str, registry_port: int) -> None:
-    """registry_url "local" hosts the embedded registry here on registry_port."""
-    hosted = None
-    if registry_url == "local":
-        hosted = await start_registry_server(host, registry_port)
-        registry_url = f"local://{hosted.address}"
-        print(f"registry ready on {hosted.address}", flush=True)
+async def serve_scheduler(config: SchedulerConfig, registry_url: str) -> None:
     registry = open_registry(registry_url)
     scheduler = Scheduler(config, registry)
     task = asyncio.get_running_loop().create_task(scheduler.run())
@@ -33,14 +21,9 @@ async def serve_scheduler(config: SchedulerConfig, registry_url: str, host: str,
     task.cancel()
     await scheduler.stop()
     await registry.close()
-    if hosted:
-        await hosted.stop()
 
 
 async def print_plan(registry_url: str, model_name: str) -> str:
-    from scheduler.chain_table import decode_chains
-    from scheduler.registry import chains_key
-
     registry = open_registry(registry_url)
     try:
         plan, _ = await registry.kv_get(plan_key(model_name))

@@ -24,7 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from scripts.measure_memory import ensure_medium_model  # noqa: E402
 from stage_server.kv_pool import KVPool  # noqa: E402
-from stage_server.model import StepSlice, load_stage  # noqa: E402
+from stage_server.loader import load_stage  # noqa: E402
+from stage_server.model import StepSlice  # noqa: E402
 from stage_server.quantize import quantize  # noqa: E402
 from stagemesh import tensor_codec  # noqa: E402
 from stagemesh.launcher import ensure_tiny_model, start_local_mesh  # noqa: E402

@@ -25,7 +25,7 @@ def ensure_medium_model(path: Path) -> Path:
     """Makes the ~270M random Llama at path unless it is there (a copy with a shorter context is remade)."""
     config = path / "config.json"
     if not config.exists() or json.loads(config.read_text())["max_position_embeddings"] != MEDIUM["max_position"]:
-        from scripts.make_tiny_model import make_tiny_model
+        from stagemesh.tiny_model import make_tiny_model
 
         make_tiny_model(path, "llama", **MEDIUM, seed=0)
     return path

@@ -8,95 +8,14 @@ The math follows transformers' modeling_llama/qwen2/mistral so that results matc
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 from torch import nn
 
 from stage_server.kv_pool import SessionCache
-
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2")
-# Rope variants whose frequencies do not change with the sequence length.
-STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-
-
-@dataclass(frozen=True)
-class ModelArgs:
-    family: str
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    max_position: int
-    rms_norm_eps: float
-    attention_bias: bool
-    mlp_bias: bool
-    tie_word_embeddings: bool
-    # Per layer: attend to at most this many previous positions, or None for full attention.
-    sliding_windows: tuple[int | None, ...]
-
-    @classmethod
-    def from_hf_config(cls, config) -> ModelArgs:
-        family = config.model_type
-        if family not in SUPPORTED_FAMILIES:
-            raise ValueError(f"model family {family!r} is not supported; use one of {SUPPORTED_FAMILIES}")
-        if getattr(config, "hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
-        num_layers = config.num_hidden_layers
-        windows: list[int | None] = [None] * num_layers
-        layer_types = getattr(config, "layer_types", None)
-        window = getattr(config, "sliding_window", None)
-        if window:
-            if layer_types:
-                windows = [window if t == "sliding_attention" else None for t in layer_types]
-            elif family == "mistral":
-                windows = [window] * num_layers
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        return cls(
-            family=family,
-            hidden_size=config.hidden_size,
-            intermediate_size=config.intermediate_size,
-            num_layers=num_layers,
-            num_heads=config.num_attention_heads,
-            num_kv_heads=config.num_key_value_heads or config.num_attention_heads,
-            head_dim=head_dim,
-            vocab_size=config.vocab_size,
-            max_position=config.max_position_embeddings,
-            rms_norm_eps=config.rms_norm_eps,
-            attention_bias=family == "qwen2" or bool(getattr(config, "attention_bias", False)),
-            mlp_bias=family == "llama" and bool(getattr(config, "mlp_bias", False)),
-            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            sliding_windows=tuple(windows),
-        )
-
-
-def load_hf_config(model_dir: str | Path):
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
-
-
-def rope_inv_freq(config) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies and cos/sin scale, computed by transformers itself so they match exactly."""
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    params = getattr(config, "rope_parameters", None) or {"rope_type": "default"}
-    rope_type = params.get("rope_type", "default")
-    if rope_type not in STATIC_ROPE_TYPES:
-        raise ValueError(f"rope type {rope_type!r} is not supported; supported: {STATIC_ROPE_TYPES}")
-    if rope_type == "default":
-        base = params["rope_theta"]
-        dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-        return inv_freq, 1.0
-    return ROPE_INIT_FUNCTIONS[rope_type](config)
+from stagemesh.checkpoint import ModelArgs
 
 
 class RMSNorm(nn.Module):
@@ -160,9 +79,7 @@ class Attention(nn.Module):
         # q, k and v projections as one Linear (the checkpoint's three, concatenated at load).
         self.qkv_proj = nn.Linear(args.hidden_size, (args.num_heads + 2 * args.num_kv_heads) * args.head_dim,
                                   bias=bias)
-        # Llama's attention_bias covers o_proj too; Qwen2's bias is on q/k/v only.
-        o_bias = bias and args.family == "llama"
-        self.o_proj = nn.Linear(args.num_heads * args.head_dim, args.hidden_size, bias=o_bias)
+        self.o_proj = nn.Linear(args.num_heads * args.head_dim, args.hidden_size, bias=args.o_bias)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, steps: list[StepSlice]
@@ -323,139 +240,3 @@ class StageModel(nn.Module):
         else:
             last = x[torch.tensor([st.offset + st.length - 1 for st in steps], device=x.device)]
         return self.lm_head(self.norm(last)).float()  # [len(steps), vocab]
-
-
-# Our fused Linears, and the checkpoint's Linears they concatenate (along the output dim, in order).
-FUSED = {
-    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-}
-
-
-def checkpoint_names(name: str) -> list[str]:
-    """A decoder layer's parameter name -> the checkpoint tensors it is made of:
-    "self_attn.qkv_proj.bias" -> ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]."""
-    module, _, param = name.rpartition(".")
-    return [f"{part}.{param}" for part in FUSED.get(module, (module,))]
-
-
-def _is_linear_weight(name: str) -> bool:
-    """Our parameter names of Linear weights: the layout and int8 choices apply to these only."""
-    return name.endswith("proj.weight") or name == "lm_head.weight"
-
-
-def _copy_rows(dest: torch.Tensor, path: Path, name: str) -> int:
-    """Copies checkpoint tensor `name` into the first rows of dest (converting dtype, device and
-    layout on the way) and returns how many rows it has. It goes ~16 MiB at a time, each piece
-    of the file mapped only while it is copied, so that the file's pages do not pile up in this
-    process's memory next to the copy."""
-    with safe_open(str(path), framework="pt", device="cpu") as f:
-        shape = f.get_slice(name).get_shape()
-    if not shape or shape[0] > dest.shape[0] or shape[1:] != list(dest.shape[1:]):
-        raise ValueError(f"checkpoint tensor {name} has shape {shape}; expected rows of {list(dest.shape[1:])}")
-    n = shape[0]
-    slab = max(1, (16 << 20) // (dest[0].numel() * dest.element_size()))
-    for r in range(0, n, slab):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            piece, rows = f.get_slice(name)[r : r + slab], dest[r : min(n, r + slab)]
-            if rows.dim() == 2 and rows.stride(0) == 1:  # column-major: copy whole rows of memory
-                rows.t().copy_(piece.t().contiguous())
-            else:
-                rows.copy_(piece)
-    return n
-
-
-def _weight_files(model_dir: Path) -> dict[str, Path]:
-    """Maps each tensor name to the safetensors file that holds it."""
-    index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: model_dir / fname for name, fname in weight_map.items()}
-    single = model_dir / "model.safetensors"
-    if not single.exists():
-        raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {model_dir}")
-    with safe_open(str(single), framework="pt") as f:
-        return {name: single for name in f.keys()}  # noqa: SIM118 - safe_open has no __iter__
-
-
-def load_stage(
-    model_dir: str | Path,
-    layer_start: int,
-    layer_end: int | None = None,
-    *,
-    dtype: torch.dtype = torch.float32,
-    device: str | torch.device = "cpu",
-    int8_linears: bool = False,
-) -> StageModel:
-    """Builds the slice and reads only its own tensors from the checkpoint. With int8_linears every
-    Linear becomes stage_server.quantize.Int8WeightLinear, each weight quantized on the CPU as it is
-    read: the device never holds the full-precision slice."""
-    model_dir = Path(model_dir)
-    config = load_hf_config(model_dir)
-    args = ModelArgs.from_hf_config(config)
-    layer_end = args.num_layers if layer_end is None else layer_end
-    inv_freq, rope_scale = rope_inv_freq(config)
-    with torch.device("meta"):
-        model = StageModel(args, layer_start, layer_end, inv_freq, rope_scale)
-        if int8_linears:
-            from stage_server.quantize import int8_rows, int8_weight_only
-
-            int8_weight_only(model)  # shapes and dtypes only, on the meta device
-
-    sources: dict[str, list[str]] = {}  # our parameter name -> the checkpoint tensors it is made of
-    for slot, i in enumerate(range(layer_start, layer_end)):
-        for name, _ in model.layers[slot].named_parameters():
-            if name.endswith(".scale"):  # int8 scales: made from their weight below
-                continue
-            sources[f"layers.{slot}.{name}"] = [f"model.layers.{i}.{part}" for part in checkpoint_names(name)]
-    if model.is_first:
-        sources["embed_tokens.weight"] = ["model.embed_tokens.weight"]
-    if model.is_last:
-        sources["norm.weight"] = ["model.norm.weight"]
-        if not (model.is_first and args.tie_word_embeddings):  # tied and also first: one tensor, two uses
-            head = "model.embed_tokens.weight" if args.tie_word_embeddings else "lm_head.weight"
-            sources["lm_head.weight"] = [head]
-
-    device_type = torch.device(device).type
-    files = _weight_files(model_dir)
-    missing = [name for names in sources.values() for name in names if name not in files]
-    if missing:
-        raise ValueError(f"checkpoint {model_dir} lacks tensors {missing[:5]}")
-    state: dict[str, torch.Tensor] = {}
-
-    def put(name: str, tensor: torch.Tensor) -> None:
-        if int8_linears and _is_linear_weight(name):
-            q, scale = int8_rows(tensor.to(dtype), dtype)  # of the weight the stage would otherwise hold
-            state[name], state[name.removesuffix("weight") + "scale"] = q.to(device), scale.to(device)
-        else:
-            state[name] = tensor.to(device=device, dtype=dtype)
-
-    for ours, names in sources.items():
-        # float32 only: a bfloat16 GEMV is ~20% slower over the transposed layout (oneDNN prefers rows).
-        transposed = device_type == "cpu" and dtype == torch.float32 and not int8_linears and _is_linear_weight(ours)
-        if len(names) == 1 and not transposed:  # as stored: on CPU a view of the file, read on use
-            with safe_open(str(files[names[0]]), framework="pt", device="cpu") as f:
-                put(ours, f.get_tensor(names[0]))
-            continue
-        shape = model.get_parameter(ours).shape  # on the meta model: the fused shape
-        if transposed:
-            # Linear weights laid out as their transpose ([in, out] in memory): F.linear of one
-            # token (a GEMV, every decode step) is ~20% faster over it on CPU in float32.
-            t = torch.empty(shape[1], shape[0], dtype=dtype, device=device).t()
-        else:  # int8: assembled on the CPU, then quantized and moved
-            t = torch.empty(shape, dtype=dtype, device="cpu" if int8_linears else device)
-        row = 0
-        for name in names:  # the parts, one after another along the rows
-            row += _copy_rows(t[row:], files[name], name)
-        if row != shape[0]:
-            raise ValueError(f"checkpoint tensors {names} have {row} rows in all; expected {shape[0]}")
-        put(ours, t)
-    if model.is_first and model.is_last and args.tie_word_embeddings:
-        if int8_linears:
-            put("lm_head.weight", state["embed_tokens.weight"].cpu())  # an int8 copy: not shared
-        else:
-            state["lm_head.weight"] = state["embed_tokens.weight"]
-    model.to_empty(device=device)
-    model.load_state_dict(state, strict=True, assign=True)
-    model.inv_freq = inv_freq.float().to(device)
-    return model.eval()

@@ -8,8 +8,8 @@ import contextlib
 import logging
 from dataclasses import dataclass
 
-from scheduler.registry import Registry, RegistryError, ServiceRecord, assignment_key
 from stage_server.server import StageServer
+from stagemesh.discovery.registry import Registry, RegistryError, ServiceRecord, assignment_key
 
 log = logging.getLogger("stagemesh.stage")
 

@@ -15,12 +15,12 @@ from grpc_health.v1 import health_pb2
 
 from stage_server.batcher import BatcherConfig, StepBatcher
 from stage_server.kv_pool import KVPool
-from stage_server.model import StageModel, load_stage
+from stage_server.loader import load_stage
+from stage_server.model import StageModel
 from stage_server.quantize import loads_int8_weights, quantize
 from stage_server.sessions import SessionTable
 from stage_server.stage_service import StageService
 from stagemesh import grpc_server
-from stagemesh.signals import until_signalled
 from stagemesh.v1 import stage_pb2, stage_pb2_grpc
 
 log = logging.getLogger("stagemesh.stage")
@@ -218,26 +218,3 @@ class StageServer:
                 continue
             for sid in self.sessions.expire_idle(self.config.session_timeout_s):
                 log.info("session expired", extra={"session_id": sid})
-
-
-async def serve(config: StageConfig) -> None:
-    server = StageServer(config)
-    model = None
-    if config.layer_start is not None:
-        model = await asyncio.to_thread(server.load, config.layer_start, config.layer_end)
-    await server.start(model)
-    registration = None
-    if config.registry:
-        from scheduler.registry import open_registry
-        from stage_server.registration import Registration, RegistrationConfig
-
-        budget = int(config.memory_gb * 2**30) if config.memory_gb else psutil.virtual_memory().available
-        registration = Registration(server, open_registry(config.registry),
-                                    RegistrationConfig(config.model_name, budget, config.speed),
-                                    fixed=config.layer_start is not None)
-        await registration.start()
-    print(f"stage ready on {server.address}", flush=True)
-    await until_signalled()
-    if registration:
-        await registration.stop()
-    await server.stop()

@@ -26,7 +26,8 @@ def _run(coro) -> None:
 
 
 def cmd_stage(a: argparse.Namespace) -> None:
-    from stage_server.server import StageConfig, serve
+    from stage_server.main import serve
+    from stage_server.server import StageConfig
 
     start, end = a.layers or (None, None)
     _run(serve(StageConfig(
@@ -50,7 +51,7 @@ def cmd_router(a: argparse.Namespace) -> None:
 
 
 def cmd_registry(a: argparse.Namespace) -> None:
-    from scheduler.server import serve_registry
+    from registry.service import serve_registry
 
     _run(serve_registry(a.host, a.port))
 
@@ -58,12 +59,28 @@ def cmd_registry(a: argparse.Namespace) -> None:
 def cmd_scheduler(a: argparse.Namespace) -> None:
     from scheduler.placement import PlacementConfig
     from scheduler.scheduler import SchedulerConfig
-    from scheduler.server import serve_scheduler
 
     config = SchedulerConfig(model=a.model, model_name=a.model_name, dtype=a.dtype, quantize=a.quantize,
                              lock_ttl_s=a.lock_ttl,
                              placement=PlacementConfig(kv_headroom_fraction=a.kv_headroom))
-    _run(serve_scheduler(config, a.registry, a.host, a.registry_port))
+    _run(_scheduler_hosting_registry(config, a.registry, a.host, a.registry_port))
+
+
+async def _scheduler_hosting_registry(config, registry_url: str, host: str, registry_port: int) -> None:
+    """registry_url "local" hosts the embedded registry in this process, on registry_port."""
+    from registry.service import start_registry_server
+    from scheduler.server import serve_scheduler
+
+    hosted = None
+    if registry_url == "local":
+        hosted = await start_registry_server(host, registry_port)
+        registry_url = f"local://{hosted.address}"
+        print(f"registry ready on {hosted.address}", flush=True)
+    try:
+        await serve_scheduler(config, registry_url)
+    finally:
+        if hosted:
+            await hosted.stop()
 
 
 def cmd_plan(a: argparse.Namespace) -> None:

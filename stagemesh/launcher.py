@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from stagemesh.tiny_model import make_tiny_model
+
 READY = re.compile(r"(stage|router|registry|scheduler) ready (?:on )?(\S+)")
 
 
@@ -76,7 +78,7 @@ class LocalMesh:
 
 def stage_budget_gb(model: str, stages: int, dtype: str, headroom: float = 0.2, quantize: str = "none") -> float:
     """A memory budget under which the scheduler needs exactly `stages` hosts for one chain."""
-    from scheduler.placement import ModelFootprint
+    from stagemesh.checkpoint import ModelFootprint
 
     total = ModelFootprint.from_model_dir(model, dtype, quantize).total_bytes
     share = 1.5 if stages == 1 else (1 + 0.5 / stages) / stages
@@ -198,8 +200,5 @@ Ctrl-C stops everything.""", flush=True)
 def ensure_tiny_model(path: Path) -> Path:
     if (path / "config.json").exists():
         return path
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from scripts.make_tiny_model import make_tiny_model
-
     print(f"making a tiny random model in {path} (no model hub needed)", flush=True)
     return make_tiny_model(path, "llama")

@@ -11,14 +11,14 @@ from safetensors import safe_open
 
 from scheduler.placement import (
     Host,
-    ModelFootprint,
     PlacementConfig,
     Plan,
     plan,
     split_layers,
     usable_bytes,
 )
-from scripts.make_tiny_model import make_tiny_model
+from stagemesh.checkpoint import ModelFootprint
+from stagemesh.tiny_model import make_tiny_model
 
 # 8 layers of 100 B, embed 50 B, head 50 B: 900 B in all. With the default 20% headroom a host of
 # memory M holds 0.8 * M of weights.
@@ -297,7 +297,7 @@ def test_from_model_dir_adds_up_to_the_checkpoint(tiny_dirs, family):
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("span", [(0, 3), (0, 1), (1, 3)])
 def test_int8_footprint_is_what_a_quantized_stage_holds(tiny_dirs, family, span):
-    from stage_server.model import load_stage
+    from stage_server.loader import load_stage
     from stage_server.quantize import quantize
 
     path = tiny_dirs[family]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from router.chain_client import Chain, ChainSession, StageEndpoint
-from stage_server.model import load_stage
+from stage_server.loader import load_stage
 from stage_server.quantize import Int8WeightLinear, quantize
 from stagemesh import tensor_codec
 from stagemesh.v1 import stage_pb2

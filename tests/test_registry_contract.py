@@ -22,9 +22,12 @@ import consul
 import pytest
 import requests
 
-from scheduler.consul_registry import ConsulRegistry
-from scheduler.embedded_registry import EmbeddedRegistryClient
-from scheduler.registry import (
+from registry.service import start_registry_server
+from stagemesh import grpc_server
+from stagemesh.discovery.backends import open_registry
+from stagemesh.discovery.consul import ConsulRegistry
+from stagemesh.discovery.embedded import EmbeddedRegistryClient
+from stagemesh.discovery.registry import (
     Registry,
     RegistryError,
     ServiceRecord,
@@ -32,11 +35,8 @@ from scheduler.registry import (
     assignments_prefix,
     chains_key,
     leader_key,
-    open_registry,
     plan_key,
 )
-from scheduler.registry_service import start_registry_server
-from stagemesh import grpc_server
 
 WAKE_WITHIN_S = 3.0  # a watch must answer this soon after a change ...
 WATCH_TIMEOUT_S = 20.0  # ... though it would wait this long for one

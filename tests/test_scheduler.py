@@ -7,14 +7,14 @@ import time
 
 import pytest
 
+from registry.service import start_registry_server
 from router.server import RouterConfig, RouterServer
-from scheduler.placement import ModelFootprint
-from scheduler.registry import open_registry
-from scheduler.registry_service import start_registry_server
 from scheduler.scheduler import Scheduler, SchedulerConfig
 from stage_server.registration import Registration, RegistrationConfig
 from stage_server.server import StageConfig, StageServer
 from stagemesh import grpc_server
+from stagemesh.checkpoint import ModelFootprint
+from stagemesh.discovery.backends import open_registry
 from stagemesh.v1 import router_pb2, router_pb2_grpc
 from tests.conftest import collect
 

@@ -1,9 +1,9 @@
 """The registry interface: service discovery with liveness, a KV store with blocking watches, leader locks.
 
 Two backends implement it with the same semantics (tests/test_registry_contract.py holds them to it):
-the embedded one (scheduler/embedded_registry.py, in the scheduler process, reached over gRPC) for a
-self-contained deployment, and Consul (scheduler/consul_registry.py) where a cluster already runs it.
-Callers pick one with a URL and `open_registry`, and never see which.
+the embedded one (registry/, its own server or hosted next to the scheduler, reached over gRPC through
+discovery/embedded.py) for a self-contained deployment, and Consul (discovery/consul.py) where a cluster
+already runs it. Callers pick one with a URL and `backends.open_registry`, and never see which.
 
 Indexes are opaque integers that only grow. A watch given index 0 answers at once; given the index of
 the state the caller has, it answers when that state changed or when its timeout passes (with the same
@@ -12,7 +12,6 @@ index, or a new one that may carry no change the caller cares about: callers loo
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass, field, replace
 from typing import Protocol
@@ -209,21 +208,6 @@ def check_key(key: str, value: bytes | None = None) -> None:
             raise ValueError(f"value of {key!r} is {len(value)} bytes; the limit is {MAX_VALUE_BYTES}")
 
 
-def open_registry(url: str) -> Registry:
-    """local://HOST:PORT or HOST:PORT: the embedded registry the scheduler serves there (over gRPC).
-    consul://HOST[:PORT]: a Consul agent (port 8500 by default), with the token in CONSUL_HTTP_TOKEN."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        scheme, rest = "local", url
-    if scheme == "local":
-        from scheduler.embedded_registry import EmbeddedRegistryClient
-
-        split_address(rest)
-        return EmbeddedRegistryClient(rest)
-    if scheme == "consul":
-        from scheduler.consul_registry import ConsulRegistry
-
-        host, port = split_address(rest) if ":" in rest else (rest, 8500)
-        if host:
-            return ConsulRegistry(host, port, token=os.environ.get("CONSUL_HTTP_TOKEN") or None)
-    raise ValueError(f"registry URL {url!r}: use local://HOST:PORT, HOST:PORT or consul://HOST:PORT")
+def check_ttl(name: str, seconds: float) -> None:
+    if not seconds > 0:
+        raise ValueError(f"{name} must be positive seconds, got {seconds!r}")

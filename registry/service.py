@@ -1,4 +1,5 @@
-"""The stagemesh.v1.Registry gRPC service over an EmbeddedRegistry, and a server the scheduler hosts it on."""
+"""The stagemesh.v1.Registry gRPC service over an EmbeddedRegistry, on its own server (`stagemesh registry`)
+or hosted next to the scheduler."""
 
 from __future__ import annotations
 
@@ -6,9 +7,10 @@ import functools
 
 import grpc
 
-from scheduler import embedded_registry as er
-from scheduler.embedded_registry import EmbeddedRegistry
+from registry.state import EmbeddedRegistry
 from stagemesh import grpc_server
+from stagemesh.discovery import embedded as er
+from stagemesh.signals import until_signalled
 from stagemesh.v1 import registry_pb2, registry_pb2_grpc
 
 SERVICE_NAME = registry_pb2.DESCRIPTOR.services_by_name["Registry"].full_name
@@ -147,3 +149,11 @@ async def start_registry_server(host: str = "127.0.0.1", port: int = 0,
     server = RegistryServer(registry, host, port)
     await server.start()
     return server
+
+
+async def serve_registry(host: str, port: int) -> None:
+    """`stagemesh registry`: the embedded registry on its own, until a signal."""
+    server = await start_registry_server(host, port)
+    print(f"registry ready on {server.address}", flush=True)
+    await until_signalled()
+    await server.stop()

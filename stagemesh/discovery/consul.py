@@ -1,4 +1,4 @@
-"""The Consul backend of scheduler.registry.Registry, through py-consul.
+"""The Consul backend of discovery.registry.Registry, through py-consul.
 
 py-consul 1.8.0 has consul.aio, but it needs aiohttp, which stagemesh does not install; so the sync
 client runs on thread pools of our own: blocking queries hold a thread for up to their wait, and must
@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 import consul
 import requests
 
-from scheduler.registry import (
+from stagemesh.discovery.registry import (
     MAX_WAIT_S,
     SERVICE_NAME,
     KVEntry,
@@ -69,7 +69,7 @@ def _kv_entry(item: dict) -> KVEntry:
 
 
 class ConsulRegistry:
-    """Implements scheduler.registry.Registry against a Consul agent's HTTP API."""
+    """Implements discovery.registry.Registry against a Consul agent's HTTP API."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 8500, token: str | None = None, max_watches: int = 32):
         self.address = f"{host}:{port}"

@@ -1,0 +1,32 @@
+"""A stage server's process: the server, and its registration when it has a registry."""
+
+from __future__ import annotations
+
+import asyncio
+
+import psutil
+
+from stage_server.registration import Registration, RegistrationConfig
+from stage_server.server import StageConfig, StageServer
+from stagemesh.discovery.backends import open_registry
+from stagemesh.signals import until_signalled
+
+
+async def serve(config: StageConfig) -> None:
+    server = StageServer(config)
+    model = None
+    if config.layer_start is not None:
+        model = await asyncio.to_thread(server.load, config.layer_start, config.layer_end)
+    await server.start(model)
+    registration = None
+    if config.registry:
+        budget = int(config.memory_gb * 2**30) if config.memory_gb else psutil.virtual_memory().available
+        registration = Registration(server, open_registry(config.registry),
+                                    RegistrationConfig(config.model_name, budget, config.speed),
+                                    fixed=config.layer_start is not None)
+        await registration.start()
+    print(f"stage ready on {server.address}", flush=True)
+    await until_signalled()
+    if registration:
+        await registration.stop()
+    await server.stop()
