@@ -6,6 +6,12 @@ back for long) and runs each batch on the stage's single compute thread. Steps t
 while a batch runs join the next one: sessions enter and leave the running batch freely.
 A batch of one short decode step runs on the event loop itself: the hop to the compute thread
 and back would cost more than the step saves by leaving the loop free.
+
+One request cannot cost another its step: a pass that fails is run again one step at a time, so
+only the step that fails alone fails (its KV positions are rewritten on the retry, and a session's
+length moves only when its pass succeeds), and sampling errors stay with their step. A step left
+out of a pass for lack of budget gains priority until it runs. Stopping the batcher fails every
+step it holds, the one in flight included, so no caller waits forever.
 """
 
 from __future__ import annotations
@@ -23,6 +29,21 @@ from stage_server.model import StageModel, StepSlice
 from stage_server.sampling import Sampling, sample
 from stage_server.sessions import Session, UnknownSession
 
+AGED_AFTER_PASSES = 2
+"""A step left out of this many passes runs in the next one, first (alone if it is over the budget)."""
+
+
+class BatcherStopped(RuntimeError):
+    """The stage stopped or is swapping its slice: the step did not run; another chain can take it."""
+
+
+class StepFailed(RuntimeError):
+    """This step failed alone (retried apart from the rest of its pass); others were not affected."""
+
+
+class OutOfMemory(RuntimeError):
+    """The device ran out of memory for this step; it did not run."""
+
 
 @dataclass
 class StepRequest:
@@ -32,6 +53,7 @@ class StepRequest:
     sampling: Sampling | None = None  # last stage: None means no sample (a prefill chunk)
     return_logits: bool = False
     future: asyncio.Future | None = field(default=None, repr=False)
+    passes_skipped: int = 0  # passes it was left out of for lack of budget
 
     @property
     def length(self) -> int:
@@ -65,25 +87,41 @@ class StepBatcher:
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="stage-compute")
         self.recent_decode_ms: deque[float] = deque(maxlen=64)
         self.batches_run = 0
+        self.running: list[StepRequest] = []  # the pass in flight
+        self.last_progress = time.monotonic()  # when a pass last finished (or the batcher went idle)
+        self.stopped = False
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run_forever(), name="step-batcher")
 
     async def stop(self) -> None:
+        """Fails every step it holds, queued or in flight, and every later submit."""
+        self.stopped = True
         if self._task:
             self._task.cancel()
-        for req in self.queue:
+        for req in [*self.running, *self.queue]:
             if req.future and not req.future.done():
-                req.future.set_exception(asyncio.CancelledError())
+                req.future.set_exception(BatcherStopped("the stage stopped serving this slice mid-step"))
         self.queue.clear()
+        self.running = []
         self.executor.shutdown(wait=False, cancel_futures=True)
 
     async def submit(self, req: StepRequest) -> StepResult:
+        if self.stopped:
+            raise BatcherStopped("the stage is not serving this slice any more")
         req.future = asyncio.get_running_loop().create_future()
+        if not self.queue and not self.running:
+            self.last_progress = time.monotonic()  # idle until now: the stall clock starts here
         self.queue.append(req)
         self.wakeup.set()
         return await req.future
+
+    def stalled_for(self) -> float:
+        """Seconds the batcher has had work without finishing a pass (0 when idle or moving)."""
+        if not self.queue and not self.running:
+            return 0.0
+        return time.monotonic() - self.last_progress
 
     @property
     def queued(self) -> int:
@@ -94,13 +132,16 @@ class StepBatcher:
         return statistics.median(self.recent_decode_ms) if self.recent_decode_ms else 0.0
 
     def _take_batch(self) -> list[StepRequest]:
-        decode = [r for r in self.queue if r.length == 1]
-        prefill = [r for r in self.queue if r.length > 1]
+        """Aged steps first (oldest first), then decode steps, then prefill chunks, within the budget."""
+        aged = [r for r in self.queue if r.passes_skipped >= AGED_AFTER_PASSES]
+        decode = [r for r in self.queue if r.length == 1 and r.passes_skipped < AGED_AFTER_PASSES]
+        prefill = [r for r in self.queue if r.length > 1 and r.passes_skipped < AGED_AFTER_PASSES]
         batch, tokens, seen = [], 0, set()
-        for r in decode + prefill:
+        for r in aged + decode + prefill:
             if r.session.session_id in seen:
                 continue  # one step per session per pass: the next starts where this one ends
             if batch and tokens + r.length > self.config.max_batch_tokens:
+                r.passes_skipped += 1
                 continue
             batch.append(r)
             seen.add(r.session.session_id)
@@ -121,13 +162,15 @@ class StepBatcher:
                 if not batch:
                     continue
                 t0 = time.perf_counter()
+                self.running = batch
                 try:
                     if self._inline(batch):
-                        results = self._run_batch(batch)
+                        results = self._run_isolated(batch)
                     else:
-                        results = await loop.run_in_executor(self.executor, self._run_batch, batch)
-                except Exception as exc:  # a bug in the pass: fail its steps, keep serving others
-                    results = [exc] * len(batch)
+                        results = await loop.run_in_executor(self.executor, self._run_isolated, batch)
+                finally:
+                    self.running = []
+                self.last_progress = time.monotonic()
                 if all(r.length == 1 for r in batch):
                     self.recent_decode_ms.append((time.perf_counter() - t0) * 1000)
                 self.batches_run += 1
@@ -144,8 +187,31 @@ class StepBatcher:
         return (len(batch) == 1 and batch[0].length == 1 and bool(self.recent_decode_ms)
                 and self.recent_decode_ms[-1] < self.config.inline_max_ms)
 
+    def _run_isolated(self, batch: list[StepRequest]) -> list[StepResult | Exception]:
+        """Runs the pass; if it fails, runs its steps one by one so that only a failing step fails.
+        Runs on the compute thread (or, for a lone short decode step, on the event loop)."""
+        try:
+            return self._run_batch(batch)
+        except Exception as exc:
+            if len(batch) == 1:
+                return [self._failed(batch[0], exc)]
+        results: list[StepResult | Exception] = []
+        for req in batch:
+            try:
+                results.extend(self._run_batch([req]))
+            except Exception as exc:
+                results.append(self._failed(req, exc))
+        return results
+
+    @staticmethod
+    def _failed(req: StepRequest, exc: Exception) -> Exception:
+        """The step did not happen: its session stays where it was."""
+        if not req.session.closed:
+            req.session.cache.length = min(req.session.cache.length, req.start)
+        return _step_error(exc)
+
     def _run_batch(self, batch: list[StepRequest]) -> list[StepResult | Exception]:
-        """Runs on the compute thread (or, for a lone short decode step, on the event loop)."""
+        """One forward pass over the batch's live steps; sampling errors stay with their step."""
         live: list[StepRequest] = []
         results: dict[int, StepResult | Exception] = {}
         for req in batch:
@@ -163,15 +229,29 @@ class StepBatcher:
             if self.model.is_last:
                 for i, req in enumerate(live):
                     res = StepResult()
-                    if req.sampling is not None:
-                        if req.session.generator is None and not req.sampling.greedy:
-                            req.session.generator = torch.Generator().manual_seed(req.sampling.seed)
-                        res.token_id = sample(out[i].cpu(), req.sampling, req.session.generator)
-                    if req.return_logits:
-                        res.logits = out[i].cpu()
-                    results[id(req)] = res
+                    try:
+                        if req.sampling is not None:
+                            res.token_id = sample(out[i].cpu(), req.sampling, req.start + req.length)
+                        if req.return_logits:
+                            res.logits = out[i].cpu()
+                        results[id(req)] = res
+                    except Exception as exc:
+                        results[id(req)] = _step_error(exc)
             else:
                 out = out.cpu()
                 for req, st in zip(live, steps, strict=True):
                     results[id(req)] = StepResult(hidden=out[st.offset : st.offset + st.length])
         return [results[id(r)] for r in batch]
+
+
+def _step_error(exc: Exception) -> Exception:
+    """What a failed step reports: out of memory as such; anything else as this step's own failure
+    (the exception chained, for the stage's log)."""
+    if isinstance(exc, (UnknownSession, BatcherStopped, StepFailed, OutOfMemory)):
+        return exc
+    if isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower():
+        failure: Exception = OutOfMemory(f"the device ran out of memory for this step: {exc}")
+    else:
+        failure = StepFailed(f"{type(exc).__name__}: {exc}")
+    failure.__cause__ = exc
+    return failure

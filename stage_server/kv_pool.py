@@ -54,11 +54,17 @@ class KVPool:
                 "retry on another chain or later, or start the stage with a larger --kv-cache-gb"
             )
         shape = (self.num_layers, self.num_kv_heads, max_length, self.head_dim)
-        cache = SessionCache(
-            k=torch.empty(shape, dtype=self.dtype, device=self.device),
-            v=torch.empty(shape, dtype=self.dtype, device=self.device),
-            capacity=max_length,
-        )
+        try:
+            cache = SessionCache(
+                k=torch.empty(shape, dtype=self.dtype, device=self.device),
+                v=torch.empty(shape, dtype=self.dtype, device=self.device),
+                capacity=max_length,
+            )
+        except (torch.OutOfMemoryError, MemoryError, RuntimeError) as exc:
+            # The device had less room than the pool's budget (another process took it): refuse
+            # this session like a full pool, never crash the stage.
+            raise PoolExhausted(f"the device could not allocate {need} bytes of KV cache for {max_length} "
+                                f"positions ({type(exc).__name__}); retry on another chain or later") from exc
         self.used_bytes += need
         return cache
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from stage_server.kv_pool import KVPool, SessionCache
 
 
@@ -32,8 +30,6 @@ class Session:
     request_id: str
     cache: SessionCache
     last_used: float = field(default_factory=time.monotonic)
-    # Created on the first sampled step, so that a seed gives the same tokens on every chain.
-    generator: torch.Generator | None = None
     closed: bool = False
 
 
