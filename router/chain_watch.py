@@ -14,12 +14,23 @@ log = logging.getLogger("stagemesh.router")
 
 
 async def follow_chains(registry: Registry, model_name: str, chains: ChainSet) -> None:
+    """Runs until cancelled, whatever the registry holds: a malformed table is logged (once) and
+    skipped, and the chains known before it keep serving."""
     index = 0
     unreachable = False
+    rejected = b""
     while True:
         try:
             index, entry = await registry.watch_key(chains_key(model_name), index, timeout_s=30)
-            published = decode_chains(entry.value if entry else None)
+            raw = entry.value if entry else None
+            try:
+                published = decode_chains(raw)
+            except ValueError as exc:
+                if raw != rejected:
+                    log.warning(f"ignoring the published chains: {exc}; serving on the last known "
+                                f"{len(chains.chains)} chain(s)")
+                    rejected = raw or b""
+                continue
             if chains.replace(published):
                 plan, _ = await registry.kv_get(plan_key(model_name))
                 chains.plan = plan.decode() if plan else ""
@@ -32,4 +43,7 @@ async def follow_chains(registry: Registry, model_name: str, chains: ChainSet) -
                 log.warning(f"registry unreachable ({exc}); serving on the last known "
                             f"{len(chains.chains)} chain(s)")
                 unreachable = True
+            await asyncio.sleep(1.0)
+        except Exception:  # a bug must not stop the router from following the scheduler
+            log.exception("following the published chains failed; retrying")
             await asyncio.sleep(1.0)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,7 @@ from stagemesh.discovery.registry import (
     assignments_prefix,
     chains_key,
     leader_key,
+    parse_layers,
     plan_key,
 )
 
@@ -48,18 +50,24 @@ class SchedulerConfig:
             raise ValueError("lock_ttl_s must be positive")
 
 
-def host_of(status: ServiceStatus) -> placement.Host:
+def host_of(status: ServiceStatus, num_layers: int) -> placement.Host:
+    """The host a registration describes; ValueError (saying which value) when its meta is malformed
+    or out of range: anyone can write a registration, and one bad one must not stop scheduling."""
     meta = status.record.meta
     fixed = None
     if meta.get("fixed") == "1" and meta.get("layers"):
-        a, b = meta["layers"].split(":")
-        fixed = (int(a), int(b))
-    return placement.Host(
-        host_id=status.record.service_id,
-        memory_bytes=int(meta.get("budget_bytes", "0") or 0),
-        speed=float(meta.get("speed", "1") or 1),
-        fixed_layers=fixed,
-    )
+        fixed = parse_layers(meta["layers"], num_layers)
+    try:
+        budget = int(meta.get("budget_bytes", ""))
+        speed = float(meta.get("speed", "1"))
+    except ValueError:
+        raise ValueError(f"budget_bytes {meta.get('budget_bytes')!r} / speed {meta.get('speed')!r} are not "
+                         "numbers") from None
+    if budget <= 0:
+        raise ValueError(f"budget_bytes {budget} must be > 0")
+    if not (math.isfinite(speed) and speed > 0):
+        raise ValueError(f"speed {speed} must be finite and > 0")
+    return placement.Host(host_id=status.record.service_id, memory_bytes=budget, speed=speed, fixed_layers=fixed)
 
 
 def serves(status: ServiceStatus, start: int, end: int) -> bool:
@@ -78,6 +86,7 @@ class Scheduler:
         self.leading = False
         self._assigned: dict[str, str] = {}
         self._versions: dict[str, int] = {}  # key -> modify_index of this leader's last write
+        self._reported: set[str] = set()  # problems already logged: each once, not once per poll
 
     @property
     def name(self) -> str:
@@ -95,9 +104,17 @@ class Scheduler:
                     log.warning(f"{self.config.scheduler_id} lost the leader lock; standing by")
             except RegistryError as exc:
                 log.warning(f"registry unreachable ({exc}); retrying")
+            except Exception as exc:  # a bug or bad data: stand down, log, campaign again (never die)
+                self._report(f"scheduling failed ({type(exc).__name__}: {exc}); standing down and retrying",
+                             exc_info=True)
             finally:
                 self.leading = False
             await asyncio.sleep(ttl / 3)
+
+    def _report(self, message: str, exc_info: bool = False) -> None:
+        if message not in self._reported:
+            self._reported.add(message)
+            log.warning(message, exc_info=exc_info)
 
     async def stop(self) -> None:
         if self.leading:
@@ -139,9 +156,16 @@ class Scheduler:
 
     async def reconcile(self, services: list[ServiceStatus]) -> None:
         """Plans for the live stage servers, tells each its range, and publishes the chains that serve."""
-        live = {s.record.service_id: s for s in services if s.passing}
-        new_plan = placement.plan(self.footprint, [host_of(s) for s in live.values()], self.config.placement,
-                                  previous=self.plan)
+        live, hosts = {}, []
+        for s in services:
+            if not s.passing:
+                continue
+            try:
+                hosts.append(host_of(s, self.footprint.num_layers))
+                live[s.record.service_id] = s
+            except ValueError as exc:
+                self._report(f"ignoring registration {s.record.service_id}: {exc}")
+        new_plan = placement.plan(self.footprint, hosts, self.config.placement, previous=self.plan)
         if self.plan is None or new_plan.assignments() != self.plan.assignments():
             log.info("plan:\n" + new_plan.explanation)
         self.plan = new_plan

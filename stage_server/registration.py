@@ -9,7 +9,7 @@ import logging
 from dataclasses import dataclass
 
 from stage_server.server import StageServer
-from stagemesh.discovery.registry import Registry, RegistryError, ServiceRecord, assignment_key
+from stagemesh.discovery.registry import Registry, RegistryError, ServiceRecord, assignment_key, parse_layers
 
 log = logging.getLogger("stagemesh.stage")
 
@@ -34,6 +34,7 @@ class Registration:
         self.fixed = fixed  # started with --layers: the scheduler uses it as it is
         self.service_id = f"stage-{server.address.replace(':', '-')}"
         self._tasks: list[asyncio.Task] = []
+        self._last_problem = ""
 
     def record(self) -> ServiceRecord:
         layers = self.server.layers
@@ -91,13 +92,23 @@ class Registration:
                 log.warning(f"cannot watch my assignment: {exc}", extra={"stage": self.server.address})
                 await asyncio.sleep(1)
                 continue
-            want = entry.value.decode() if entry and entry.value else ""
-            current = self.server.layers
-            if not want or want == (f"{current[0]}:{current[1]}" if current else ""):
-                continue
-            a, b = (int(x) for x in want.split(":"))
-            log.info(f"assigned layers {a}:{b}: loading", extra={"stage": self.server.address})
-            model = await asyncio.to_thread(self.server.load, a, b)
-            await self.server.activate(model)
-            with contextlib.suppress(RegistryError):
-                await self._register()  # tells the scheduler the range is loaded and serving
+            try:
+                await self._apply(entry.value if entry else b"")
+            except Exception as exc:  # a bad value or a failed load: say so once, keep serving what it has
+                message = f"cannot apply assignment {entry.value if entry else b''!r}: {exc}"
+                if message != self._last_problem:
+                    log.warning(message, extra={"stage": self.server.address}, exc_info=not isinstance(
+                        exc, ValueError))
+                    self._last_problem = message
+
+    async def _apply(self, value: bytes) -> None:
+        want = value.decode("utf-8", errors="replace")
+        current = self.server.layers
+        if not want or want == (f"{current[0]}:{current[1]}" if current else ""):
+            return
+        a, b = parse_layers(want, self.server.num_layers)
+        log.info(f"assigned layers {a}:{b}: loading", extra={"stage": self.server.address})
+        model = await asyncio.to_thread(self.server.load, a, b)
+        await self.server.activate(model)
+        with contextlib.suppress(RegistryError):
+            await self._register()  # tells the scheduler the range is loaded and serving

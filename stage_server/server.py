@@ -21,6 +21,7 @@ from stage_server.quantize import loads_int8_weights, quantize
 from stage_server.sessions import SessionTable
 from stage_server.stage_service import StageService
 from stagemesh import grpc_server
+from stagemesh.checkpoint import read_config
 from stagemesh.v1 import stage_pb2, stage_pb2_grpc
 
 log = logging.getLogger("stagemesh.stage")
@@ -128,6 +129,7 @@ class StageServer:
     def __init__(self, config: StageConfig):
         self.config = config
         self.device = resolve_device(config.device)
+        self.num_layers = read_config(config.model)["num_hidden_layers"]
         self.server = grpc_server.new_server()
         self.slot = StageSlot()
         stage_pb2_grpc.add_StageServicer_to_server(self.slot, self.server)

@@ -8,6 +8,8 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 
+from stagemesh.discovery.registry import split_address
+
 
 @dataclass(frozen=True)
 class PublishedStage:
@@ -40,9 +42,34 @@ def encode_chains(chains: list[PublishedChain]) -> bytes:
 
 
 def decode_chains(raw: bytes | None) -> list[PublishedChain]:
+    """The published chains; ValueError, saying what is wrong, for anything but a well-formed table
+    (anyone who reaches the registry can write this key)."""
     if not raw:
         return []
-    data = json.loads(raw)
-    return [
-        PublishedChain(tuple(PublishedStage(**s) for s in c["stages"]), c["chain_id"]) for c in data["chains"]
-    ]
+    try:
+        data = json.loads(raw)
+        chains = [_chain(c) for c in data["chains"]]
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"malformed chain table ({type(exc).__name__}: {exc})") from None
+    return chains
+
+
+def _chain(c: dict) -> PublishedChain:
+    stages = tuple(_stage(s) for s in c["stages"])
+    if not stages or stages[0].layer_start != 0 or any(
+            a.layer_end != b.layer_start for a, b in zip(stages, stages[1:], strict=False)):
+        raise ValueError(f"chain {c.get('chain_id')!r}: its stages do not cover contiguous layers from 0")
+    if not isinstance(c["chain_id"], str):
+        raise ValueError("chain_id must be a string")
+    return PublishedChain(stages, c["chain_id"])
+
+
+def _stage(s: dict) -> PublishedStage:
+    stage = PublishedStage(service_id=s["service_id"], address=s["address"], layer_start=s["layer_start"],
+                           layer_end=s["layer_end"])
+    if not (isinstance(stage.service_id, str) and isinstance(stage.address, str)
+            and type(stage.layer_start) is int and type(stage.layer_end) is int
+            and 0 <= stage.layer_start < stage.layer_end):
+        raise ValueError(f"stage {s!r}: service_id and address strings, 0 <= layer_start < layer_end integers")
+    split_address(stage.address)
+    return stage

@@ -189,6 +189,18 @@ def leader_key(model: str) -> str:
     return model_prefix(model) + "leader"
 
 
+def parse_layers(value: str, num_layers: int) -> tuple[int, int]:
+    """A layer range as stored in meta and assignments, "A:B" -> (A, B) with 0 <= A < B <= num_layers;
+    ValueError otherwise (anyone who reaches the registry can write one)."""
+    try:
+        a, b = (int(x) for x in value.split(":"))
+    except ValueError:
+        raise ValueError(f"layers {value!r} is not A:B") from None
+    if not 0 <= a < b <= num_layers:
+        raise ValueError(f"layers {value!r} is outside the model's 0:{num_layers}")
+    return a, b
+
+
 def split_address(address: str) -> tuple[str, int]:
     """"host:port" (or "[v6]:port") -> (host, port); ValueError otherwise."""
     host, sep, port = address.rpartition(":")

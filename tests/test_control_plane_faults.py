@@ -1,0 +1,92 @@
+"""Every control-plane loop survives bad data in the registry: it says what was wrong (once), skips it
+and carries on, and what worked before keeps working."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from stagemesh.discovery.backends import open_registry
+from stagemesh.discovery.registry import ServiceRecord, assignment_key, chains_key
+from stagemesh.v1 import router_pb2
+from tests.conftest import collect
+from tests.test_scheduler import layouts, plane, wait_for_chains  # noqa: F401 - plane is a fixture
+
+BAD_REGISTRATIONS = {
+    "speed-zero": {"budget_bytes": str(10**9), "speed": "0"},
+    "speed-nan": {"budget_bytes": str(10**9), "speed": "nan"},
+    "speed-text": {"budget_bytes": str(10**9), "speed": "fast"},
+    "budget-negative": {"budget_bytes": "-5", "speed": "1"},
+    "budget-missing": {"speed": "1"},
+    "layers-backwards": {"budget_bytes": str(10**9), "speed": "1", "fixed": "1", "layers": "6:2", "ready": "1"},
+    "layers-text": {"budget_bytes": str(10**9), "speed": "1", "fixed": "1", "layers": "a:b", "ready": "1"},
+}
+
+
+async def _generate(stub) -> list[int]:
+    ids, _, _ = await collect(stub.Generate(router_pb2.GenerateRequest(token_ids=[5, 6, 7], max_new_tokens=3),
+                                            timeout=30))
+    return ids
+
+
+async def test_scheduler_skips_bad_registrations_and_keeps_scheduling(plane, caplog):  # noqa: F811
+    registry = open_registry(plane.url)
+    try:
+        for name, meta in BAD_REGISTRATIONS.items():
+            await registry.register(ServiceRecord(f"rogue-{name}", "127.0.0.1:9", plane.model.name, meta), ttl_s=30)
+        with caplog.at_level(logging.WARNING, logger="stagemesh.scheduler"):
+            scheduler = await plane.add_scheduler()
+            await plane.add_stage(share_of_model=1.5)
+            stub = await plane.add_router()
+            assert layouts(await wait_for_chains(stub, lambda c: len(c) == 1)) == [[(0, 8)]]
+            await asyncio.sleep(1.0)  # several more rounds of the loop over the same bad records
+        assert await _generate(stub)
+        assert not plane.schedulers[0][1].done() and scheduler.leading
+        ignored = [r.getMessage() for r in caplog.records if "ignoring registration rogue-" in r.getMessage()]
+        assert sorted({m.split()[2].rstrip(":") for m in ignored}) == sorted(f"rogue-{n}" for n in BAD_REGISTRATIONS)
+        assert len(ignored) == len(BAD_REGISTRATIONS)  # once each, not once per poll
+    finally:
+        await registry.close()
+
+
+async def test_router_keeps_its_chains_when_the_published_table_is_garbage(plane):  # noqa: F811
+    await plane.add_scheduler()
+    await plane.add_stage(share_of_model=1.5)
+    stub = await plane.add_router()
+    assert len(await wait_for_chains(stub, lambda c: len(c) == 1)) == 1
+    registry = open_registry(plane.url)
+    try:
+        for garbage in (b"{not json", b'{"chains": [{"stages": [{"address": 5}]}]}', b"\xff\xfe", b'{"chains": 3}'):
+            await registry.kv_put(chains_key(plane.model.name), garbage)
+            await asyncio.sleep(0.3)
+            assert await _generate(stub)
+            assert len(await wait_for_chains(stub, lambda c: len(c) == 1, timeout=0)) == 1
+        assert not any(t.done() for t in plane.router._tasks)
+    finally:
+        await registry.close()
+
+
+async def test_stage_keeps_serving_when_its_assignment_is_garbage(plane):  # noqa: F811
+    await plane.add_scheduler()
+    server = await plane.add_stage(share_of_model=1.5)
+    stub = await plane.add_router()
+    assert len(await wait_for_chains(stub, lambda c: len(c) == 1)) == 1
+    plane.schedulers[0][1].cancel()  # the scheduler would correct the key at once: leave it to the test
+    registration = plane.stages[0][1]
+    registry = open_registry(plane.url)
+    try:
+        key = assignment_key(plane.model.name, registration.service_id)
+        for garbage in (b"x:y", b"0:99", b"\xff", b"5"):
+            await registry.kv_put(key, garbage)
+            await asyncio.sleep(0.3)
+            assert server.layers == (0, 8)
+            assert await _generate(stub)
+        assert not any(t.done() for t in registration._tasks)
+        await registry.kv_put(key, b"0:4")  # a valid one is still followed
+        deadline = time.monotonic() + 20
+        while server.layers != (0, 4) and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        assert server.layers == (0, 4)
+    finally:
+        await registry.close()
