@@ -1,0 +1,158 @@
+"""Malformed and extreme input at the router and a stage, from hypothesis and as raw bytes: every call
+ends, within its bound, with a defined status; nothing crashes; the mesh still serves afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+
+import grpc
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from stagemesh.v1 import router_pb2, router_pb2_grpc, stage_pb2, stage_pb2_grpc, tensor_pb2
+from tests.conftest import splits, start_mesh
+
+CALL_TIMEOUT_S = 20.0
+DEFINED = {
+    grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE,
+    grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.UNAVAILABLE,
+}
+"""What a caller may get for bad input. Not DEADLINE_EXCEEDED (a hang), UNKNOWN or INTERNAL (a crash)."""
+
+int32 = st.integers(-(2**31), 2**31 - 1)
+floats = st.floats(allow_nan=True, allow_infinity=True, width=32)
+text = st.text(max_size=300)
+
+generate_requests = st.builds(
+    router_pb2.GenerateRequest,
+    prompt=st.one_of(st.just(""), text, st.text(min_size=1, max_size=3).map(lambda s: s * 5000)),
+    token_ids=st.lists(int32, max_size=40),
+    max_new_tokens=st.one_of(st.integers(-5, 8), int32),
+    temperature=floats,
+    top_k=int32,
+    top_p=floats,
+    seed=st.integers(0, 2**64 - 1),
+    stop=st.lists(st.text(max_size=40), max_size=20),
+    priority=int32,
+    request_id=st.one_of(st.just(""), text, st.just("x" * 16384), st.just("line\nbreak")),
+)
+
+tensors = st.builds(
+    tensor_pb2.Tensor,
+    dtype=st.sampled_from(["float32", "bfloat16", "float16", "int8", "int64", "int32", "complex64", "", "bogus"]),
+    shape=st.lists(st.integers(-3, 300), max_size=3),
+    data=st.binary(max_size=4096),
+    row_scale=st.lists(floats, max_size=4),
+)
+
+
+class MeshThread:
+    """A one-stage mesh served from its own event loop thread, so that the hypothesis tests can be
+    plain synchronous functions with blocking gRPC clients."""
+
+    def __init__(self, model):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.mesh = self._call(start_mesh(model, [splits(3, 5)]), 120)
+        self.router = grpc.insecure_channel(self.mesh.router.address)
+        self.stage = grpc.insecure_channel(self.mesh.stages[0][1].address)
+
+    def _call(self, coro, timeout: float):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.router.close()
+        self.stage.close()
+        self._call(self.mesh.stop(), 60)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model):
+    mesh = MeshThread(tiny_model)
+    yield mesh
+    mesh.close()
+
+
+def _code_of(call) -> grpc.StatusCode:
+    try:
+        for _ in call:
+            pass
+    except grpc.RpcError as exc:
+        return exc.code()
+    return grpc.StatusCode.OK
+
+
+def assert_still_serves(served) -> None:
+    stub = router_pb2_grpc.RouterStub(served.router)
+    out = list(stub.Generate(router_pb2.GenerateRequest(token_ids=[5, 6, 7], max_new_tokens=2), timeout=30))
+    assert sum(len(r.token_ids) for r in out) == 2
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(request=generate_requests)
+@example(request=router_pb2.GenerateRequest(token_ids=[5, 6], max_new_tokens=2, request_id="line\nbreak"))
+@example(request=router_pb2.GenerateRequest(token_ids=[5, 6], max_new_tokens=2, request_id="caf\u00e9"))
+@example(request=router_pb2.GenerateRequest(token_ids=[5, 6], max_new_tokens=2, request_id="x" * 16384))
+@example(request=router_pb2.GenerateRequest(prompt="hi", max_new_tokens=2, temperature=1e-40))
+def test_any_generate_request_gets_a_defined_status(served, request):
+    stub = router_pb2_grpc.RouterStub(served.router)
+    request.max_new_tokens = min(request.max_new_tokens, 8)  # valid ones stay short
+    assert _code_of(stub.Generate(request, timeout=CALL_TIMEOUT_S)) in DEFINED
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck))
+@given(requests=st.lists(generate_requests, max_size=4))
+def test_any_generate_batch_gets_a_defined_status_and_one_answer_per_index(served, requests):
+    stub = router_pb2_grpc.RouterStub(served.router)
+    for r in requests:
+        r.max_new_tokens = min(r.max_new_tokens, 4)
+    call = stub.GenerateBatch(router_pb2.GenerateBatchRequest(requests=requests), timeout=CALL_TIMEOUT_S)
+    answered = set()
+    try:
+        for item in call:
+            if item.error_code or item.response.finish_reason:
+                answered.add(item.index)
+    except grpc.RpcError as exc:
+        assert exc.code() in DEFINED
+        return
+    assert answered == set(range(len(requests)))  # no entry silently dropped
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(session_id=st.text(max_size=50), start=int32, hidden=tensors, max_length=int32)
+def test_any_forward_step_gets_a_defined_status(served, session_id, start, hidden, max_length):
+    stub = stage_pb2_grpc.StageStub(served.stage)
+    try:
+        stub.OpenSession(stage_pb2.OpenSessionRequest(session_id=session_id, max_length=max_length),
+                         timeout=CALL_TIMEOUT_S)
+    except grpc.RpcError as exc:
+        assert exc.code() in DEFINED
+    step = stage_pb2.ForwardRequest(session_id=session_id, start=start, hidden=hidden)
+    assert _code_of(stub.Forward(iter([step]), timeout=CALL_TIMEOUT_S)) in DEFINED
+
+
+@pytest.mark.parametrize("garbage", [b"\x00" * 64, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
+                                     b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\xff" * 512, bytes(range(256)) * 8])
+def test_garbage_bytes_at_every_port_leave_the_mesh_serving(served, garbage):
+    addresses = [served.mesh.router.address, *(s.address for s in served.mesh.all_stages())]
+    for address in addresses:
+        host, _, port = address.rpartition(":")
+        with socket.create_connection((host, int(port)), timeout=5) as sock:
+            sock.settimeout(5)
+            sock.sendall(garbage)
+            try:
+                sock.recv(1024)
+            except (TimeoutError, ConnectionError):
+                pass
+    assert_still_serves(served)
+
+
+def test_the_mesh_serves_after_the_fuzzing(served):
+    assert_still_serves(served)
