@@ -39,7 +39,8 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
     """Maps what a handler raises to the call's status, for unary and streaming handlers alike.
 
     Installed once per server (grpc_server.new_server(interceptors=...)), so handlers need no
-    try/except around their work. context.abort()'s own exception and cancellation pass through."""
+    try/except around their work. context.abort()'s own exception and cancellation pass through.
+    Handlers must be async (coroutines or async generators), as all of stagemesh's are."""
 
     def __init__(self, log: logging.Logger, codes: ErrorCodes | None = None):
         self.log = log
@@ -56,6 +57,7 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
         return _wrap(handler, _Call(self, details))
 
     def code_of(self, exc: BaseException) -> grpc.StatusCode | None:
+        """The code of the most specific mapped class exc is an instance of; None: not mapped."""
         for cls in type(exc).__mro__:
             if cls in self.codes:
                 return self.codes[cls]
@@ -71,7 +73,7 @@ class _Call:
         self.request_id = next((str(v) for k, v in details.invocation_metadata or () if k == REQUEST_ID_KEY), "")
 
     async def fail(self, exc: Exception, context: grpc.aio.ServicerContext, request: Any = None) -> None:
-        """Aborts the call for exc (always raises). Call it inside the `except` that caught exc."""
+        """Aborts the call for exc: always raises (grpc's AbortError)."""
         if isinstance(exc, StatusError):
             await context.abort(exc.code, exc.message)
         code = self.interceptor.code_of(exc)
@@ -81,7 +83,8 @@ class _Call:
         # failing both, a fresh id still ties the caller's message to the log line.
         named = getattr(request, "request_id", "") if isinstance(request, Message) else ""
         request_id = self.request_id or str(named) or uuid.uuid4().hex[:16]
-        self.interceptor.log.exception(f"unexpected error in {self.method}", extra={"request_id": request_id})
+        self.interceptor.log.exception(f"unexpected error in {self.method}", exc_info=exc,
+                                       extra={"request_id": request_id})
         await context.abort(grpc.StatusCode.INTERNAL,
                             f"internal error in {self.method}; the server logged it with request id {request_id}")
 
