@@ -3,30 +3,24 @@ or hosted next to the scheduler."""
 
 from __future__ import annotations
 
-import functools
+import logging
 
 import grpc
 
 from registry.state import EmbeddedRegistry
 from stagemesh import grpc_server
 from stagemesh.discovery import embedded as er
+from stagemesh.errors import ErrorCodes, StatusInterceptor
 from stagemesh.signals import until_signalled
 from stagemesh.v1 import registry_pb2, registry_pb2_grpc
 
+log = logging.getLogger("stagemesh.registry")
 SERVICE_NAME = registry_pb2.DESCRIPTOR.services_by_name["Registry"].full_name
 
 
-def _invalid_argument(handler):
-    """ValueError from the registry (a bad key, record or ttl) is the caller's fault: INVALID_ARGUMENT."""
-
-    @functools.wraps(handler)
-    async def wrapped(self, request, context):
-        try:
-            return await handler(self, request, context)
-        except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-
-    return wrapped
+ERROR_CODES: ErrorCodes = {ValueError: grpc.StatusCode.INVALID_ARGUMENT}
+"""A ValueError from the registry (a bad key, record or ttl) is the caller's fault: INVALID_ARGUMENT.
+The server hosting the service answers with these through its StatusInterceptor."""
 
 
 class RegistryService(registry_pb2_grpc.RegistryServicer):
@@ -35,7 +29,6 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
     def __init__(self, registry: EmbeddedRegistry):
         self.registry = registry
 
-    @_invalid_argument
     async def Register(self, request, context):
         await self.registry.register(er.record_from_pb(request.record), request.ttl_s,
                                      request.deregister_after_s or None)
@@ -55,11 +48,9 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
         return er.statuses_to_pb(*await self.registry.watch_services(request.index, request.timeout_s,
                                                                      request.model or None))
 
-    @_invalid_argument
     async def KvGet(self, request, context):
         return self._get_response(*await self.registry.watch_key(request.key, 0, 0))
 
-    @_invalid_argument
     async def KvPut(self, request, context):
         if request.HasField("cas_index"):
             ok = await self.registry.kv_cas(request.key, request.value, request.cas_index)
@@ -68,7 +59,6 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
             ok = True
         return registry_pb2.KvPutResponse(ok=ok)
 
-    @_invalid_argument
     async def KvDelete(self, request, context):
         await self.registry.kv_delete(request.key)
         return registry_pb2.KvDeleteResponse()
@@ -76,14 +66,12 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
     async def KvList(self, request, context):
         return self._list_response(*await self.registry.watch_prefix(request.prefix, 0, 0))
 
-    @_invalid_argument
     async def WatchKey(self, request, context):
         return self._get_response(*await self.registry.watch_key(request.key, request.index, request.timeout_s))
 
     async def WatchPrefix(self, request, context):
         return self._list_response(*await self.registry.watch_prefix(request.prefix, request.index, request.timeout_s))
 
-    @_invalid_argument
     async def AcquireLock(self, request, context):
         ok = await self.registry.acquire_lock(request.key, request.holder_id, request.ttl_s)
         return registry_pb2.LockResponse(ok=ok)
@@ -110,7 +98,8 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
 
 def add_registry_service(server: grpc.aio.Server, registry: EmbeddedRegistry) -> RegistryService:
     """Adds the Registry service to a server the caller owns (e.g. next to the scheduler's own service);
-    the caller lists SERVICE_NAME in its health and reflection."""
+    the caller lists SERVICE_NAME in its health and reflection, and makes the server with
+    StatusInterceptor(log, ERROR_CODES) so that bad keys and records are answered INVALID_ARGUMENT."""
     servicer = RegistryService(registry)
     registry_pb2_grpc.add_RegistryServicer_to_server(servicer, server)
     return servicer
@@ -123,7 +112,7 @@ class RegistryServer:
         self._owns_registry = registry is None
         self.registry = registry or EmbeddedRegistry()
         self.host = host
-        self.server = grpc_server.new_server()
+        self.server = grpc_server.new_server([StatusInterceptor(log, ERROR_CODES)])
         add_registry_service(self.server, self.registry)
         self.health = grpc_server.add_health_and_reflection(self.server, [SERVICE_NAME])
         self.port = grpc_server.bind(self.server, host, port)

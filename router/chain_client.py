@@ -12,9 +12,10 @@ import uuid
 from dataclasses import dataclass, field
 
 import grpc
+import torch
 
 from stagemesh import grpc_server, metrics, tensor_codec
-from stagemesh.v1 import stage_pb2, stage_pb2_grpc
+from stagemesh.v1 import stage_pb2, stage_pb2_grpc, tensor_pb2
 
 log = logging.getLogger("stagemesh.router")
 
@@ -43,6 +44,35 @@ class StageEndpoint:
         if self._channel is not None:
             await self._channel.close()
             self._channel = self._stub = None
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the last stage picks each token (the defaults: greedy). The generation loop's own type:
+    only this module turns it into protobuf."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def to_pb(self) -> stage_pb2.SamplingParams:
+        return stage_pb2.SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                                        seed=self.seed)
+
+
+@dataclass
+class StepResult:
+    """What the last stage answered for a step, read off its ForwardResponse."""
+
+    token_id: int
+    logits: torch.Tensor | None = None
+    """The last position's logits, [vocab_size] float32, when the step asked for them."""
+
+    @classmethod
+    def from_pb(cls, response: stage_pb2.ForwardResponse) -> StepResult:
+        logits = tensor_codec.decode(response.logits) if response.HasField("logits") else None
+        return cls(token_id=response.token_id, logits=logits)
 
 
 _chain_counter = itertools.count(1)
@@ -124,8 +154,8 @@ class ChainSession:
                 await stage.stub.CloseSession(stage_pb2.CloseSessionRequest(session_id=self.session_id), timeout=2)
         self._opened.clear()
 
-    def _request(self, index: int, start: int, tensor, sampling: stage_pb2.SamplingParams, is_last_chunk: bool,
-                 return_logits: bool) -> stage_pb2.ForwardRequest:
+    def _request(self, index: int, start: int, tensor: tensor_pb2.Tensor, sampling: stage_pb2.SamplingParams,
+                 is_last_chunk: bool, return_logits: bool) -> stage_pb2.ForwardRequest:
         """Stage index's request for a chunk at `start`: token ids for the first stage, hidden states
         for the others; the last stage also gets the sampling (and samples only after the last chunk)."""
         request = stage_pb2.ForwardRequest(session_id=self.session_id, start=start)
@@ -165,13 +195,20 @@ class ChainSession:
         self,
         token_ids: list[int],
         *,
-        sampling: stage_pb2.SamplingParams,
+        sampling: Sampling,
         chunk_size: int = 0,
         return_logits: bool = False,
-    ) -> stage_pb2.ForwardResponse:
+    ) -> StepResult:
         """Feeds token_ids at the session's position and returns the last stage's answer
         (the next token). With chunk_size > 0 a long input flows through the chain in chunks,
         stage i working on chunk k while stage i-1 works on chunk k+1."""
+        response = await self._step(token_ids, sampling.to_pb(), chunk_size, return_logits)
+        self.position += len(token_ids)
+        self._token_read_at = time.perf_counter()
+        return StepResult.from_pb(response)
+
+    async def _step(self, token_ids: list[int], sampling: stage_pb2.SamplingParams, chunk_size: int,
+                    return_logits: bool) -> stage_pb2.ForwardResponse:
         n_stages = len(self.chain.stages)
         if not chunk_size or len(token_ids) <= chunk_size:
             # One chunk (every decode step): the hops in order, no tasks or queues.
@@ -180,8 +217,6 @@ class ChainSession:
                 request = self._request(i, self.position, tensor, sampling, True, return_logits)
                 response = await self._exchange(i, request)
                 tensor = response.hidden
-            self.position += len(token_ids)
-            self._token_read_at = time.perf_counter()
             return response
 
         chunks = [token_ids[i : i + chunk_size] for i in range(0, len(token_ids), chunk_size)]
@@ -209,7 +244,4 @@ class ChainSession:
             for t in tasks:
                 t.cancel()
             raise
-        response = results[-1]
-        self.position += len(token_ids)
-        self._token_read_at = time.perf_counter()
-        return response
+        return results[-1]

@@ -9,11 +9,10 @@ from dataclasses import dataclass
 
 import grpc
 
-from router.chain_client import ChainSession
+from router.chain_client import ChainSession, Sampling
 from router.chains import ChainSet, NoUsableChain
 from router.detokenizer import IncrementalText
 from stagemesh import metrics
-from stagemesh.v1 import stage_pb2
 
 log = logging.getLogger("stagemesh.router")
 
@@ -61,9 +60,7 @@ class GenerationConfig:
 async def generate(
     req: GenerationRequest, chains: ChainSet, tokenizer, eos_ids: frozenset[int], config: GenerationConfig
 ) -> AsyncIterator[Piece]:
-    sampling = stage_pb2.SamplingParams(
-        temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=req.seed
-    )
+    sampling = Sampling(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=req.seed)
     text = IncrementalText(tokenizer, req.stop)
     generated: list[int] = []
     tried: set[str] = set()
@@ -80,8 +77,7 @@ async def generate(
                 # prompt plus all tokens so far), then one token per decode step.
                 feed = req.prompt_ids + generated
                 while True:
-                    response = await session.step(feed, sampling=sampling, chunk_size=config.prefill_chunk)
-                    token = response.token_id
+                    token = (await session.step(feed, sampling=sampling, chunk_size=config.prefill_chunk)).token_id
                     generated.append(token)
                     feed = [token]
                     if token in eos_ids:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from stagemesh import metrics
+from stagemesh.errors import StatusError
 
 CLASSES = ("batch", "normal", "high")  # index = rank: higher goes first
 
@@ -47,10 +48,8 @@ class AdmissionConfig:
     )
 
 
-class AdmissionRefused(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code = code
+class AdmissionRefused(StatusError):
+    """The request may not wait for a slot: it reaches the caller with this code and message."""
 
 
 @dataclass

@@ -4,6 +4,7 @@ protobuf at the edge and streams what router.generation produces."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -15,6 +16,7 @@ from router.chains import ChainSet, NoUsableChain
 from router.generation import GenerationConfig, GenerationRequest, generate
 from router.priority_queue import AdmissionRefused, PriorityAdmission, priority_class
 from stagemesh import metrics
+from stagemesh.errors import StatusError
 from stagemesh.v1 import router_pb2, router_pb2_grpc
 
 log = logging.getLogger("stagemesh.router")
@@ -24,12 +26,6 @@ FINISH = {
     "stop": router_pb2.FINISH_REASON_STOP,
     "eos": router_pb2.FINISH_REASON_EOS,
 }
-
-
-class InvalidRequest(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code = code
 
 
 class RouterService(router_pb2_grpc.RouterServicer):
@@ -47,34 +43,34 @@ class RouterService(router_pb2_grpc.RouterServicer):
     def to_generation_request(self, request: router_pb2.GenerateRequest, context) -> GenerationRequest:
         bad = grpc.StatusCode.INVALID_ARGUMENT
         if request.prompt and request.token_ids:
-            raise InvalidRequest(bad, "set either prompt or token_ids, not both")
+            raise StatusError(bad, "set either prompt or token_ids, not both")
         if request.prompt:
             prompt_ids = self.tokenizer(request.prompt, add_special_tokens=True)["input_ids"]
         else:
             prompt_ids = list(request.token_ids)
         if not prompt_ids:
-            raise InvalidRequest(bad, "the prompt is empty: set prompt (text) or token_ids")
+            raise StatusError(bad, "the prompt is empty: set prompt (text) or token_ids")
         outside = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
         if outside:
-            raise InvalidRequest(bad, f"token id {outside[0]} is outside the vocabulary 0..{self.vocab_size - 1}")
+            raise StatusError(bad, f"token id {outside[0]} is outside the vocabulary 0..{self.vocab_size - 1}")
         if request.max_new_tokens <= 0:
-            raise InvalidRequest(bad, "max_new_tokens must be at least 1")
+            raise StatusError(bad, "max_new_tokens must be at least 1")
         if len(prompt_ids) >= self.max_position:
-            raise InvalidRequest(
+            raise StatusError(
                 grpc.StatusCode.OUT_OF_RANGE,
                 f"the prompt has {len(prompt_ids)} tokens; the model's context is {self.max_position}: shorten it",
             )
         if len(prompt_ids) + request.max_new_tokens > self.max_position:
-            raise InvalidRequest(
+            raise StatusError(
                 grpc.StatusCode.OUT_OF_RANGE,
                 f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({request.max_new_tokens}) exceeds the "
                 f"model's context of {self.max_position}; ask for at most "
                 f"{self.max_position - len(prompt_ids)} new tokens",
             )
         if request.temperature < 0 or request.top_k < 0 or not 0 <= request.top_p <= 1:
-            raise InvalidRequest(bad, "sampling needs temperature >= 0, top_k >= 0 and 0 <= top_p <= 1")
+            raise StatusError(bad, "sampling needs temperature >= 0, top_k >= 0 and 0 <= top_p <= 1")
         if any(not s for s in request.stop):
-            raise InvalidRequest(bad, "stop strings must not be empty")
+            raise StatusError(bad, "stop strings must not be empty")
         remaining = context.time_remaining()
         deadline = asyncio.get_running_loop().time() + remaining if remaining is not None else None
         return GenerationRequest(
@@ -91,16 +87,16 @@ class RouterService(router_pb2_grpc.RouterServicer):
         )
 
     async def _stream(self, req: GenerationRequest) -> AsyncIterator[router_pb2.GenerateResponse]:
-        """Waits for admission, then streams; every failure leaves as InvalidRequest(code, message)."""
+        """Waits for admission, then streams; every failure the caller can act on leaves as StatusError."""
         extra = {"request_id": req.request_id}
         cls = priority_class(req.priority)
         arrived = time.perf_counter()
         try:
             await self.admission.acquire(req.priority, req.deadline)
         except AdmissionRefused as exc:
-            log.warning(str(exc), extra=extra)
+            log.warning(exc.message, extra=extra)
             metrics.REQUESTS.labels(exc.code.name).inc()
-            raise InvalidRequest(exc.code, str(exc)) from None
+            raise
         metrics.QUEUE_WAIT.labels(cls).observe(time.perf_counter() - arrived)
         status = "CANCELLED"
         first = True
@@ -122,33 +118,31 @@ class RouterService(router_pb2_grpc.RouterServicer):
         except NoUsableChain as exc:
             log.warning(str(exc), extra=extra)
             status = "UNAVAILABLE"
-            raise InvalidRequest(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
+            raise StatusError(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
             status = code.name
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                raise InvalidRequest(code, "the call's deadline passed before generation finished") from None
+                raise StatusError(code, "the call's deadline passed before generation finished") from None
             log.warning(f"stage error: {code.name}: {exc.details()}", extra=extra)
             if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                raise InvalidRequest(code, f"every chain is full: {exc.details()}") from None
+                raise StatusError(code, f"every chain is full: {exc.details()}") from None
             if code not in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE):
                 code = grpc.StatusCode.UNAVAILABLE
-            raise InvalidRequest(code, f"a stage failed and no other chain could continue: {exc.details()}") from None
+            raise StatusError(code, f"a stage failed and no other chain could continue: {exc.details()}") from None
         finally:
             self.admission.release()
             metrics.REQUESTS.labels(status).inc()
 
     async def Generate(self, request, context):
-        try:
-            req = self.to_generation_request(request, context)
-            async for response in self._stream(req):
+        # Closed with the call, not when collected: _stream gives its admission slot back then.
+        async with contextlib.aclosing(self._stream(self.to_generation_request(request, context))) as responses:
+            async for response in responses:
                 yield response
-        except InvalidRequest as exc:
-            await context.abort(exc.code, str(exc))
 
     async def GenerateBatch(self, request, context):
         if not request.requests:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "requests is empty")
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "requests is empty")
         out: asyncio.Queue[router_pb2.GenerateBatchResponse | None] = asyncio.Queue()
 
         async def run(index: int, sub: router_pb2.GenerateRequest) -> None:
@@ -156,9 +150,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 req = self.to_generation_request(sub, context)
                 async for response in self._stream(req):
                     out.put_nowait(router_pb2.GenerateBatchResponse(index=index, response=response))
-            except InvalidRequest as exc:
+            except StatusError as exc:  # one prompt's refusal is its own entry; the others go on
                 out.put_nowait(router_pb2.GenerateBatchResponse(
-                    index=index, error_code=exc.code.value[0], error_message=f"request {index}: {exc}"))
+                    index=index, error_code=exc.code.value[0], error_message=f"request {index}: {exc.message}"))
             finally:
                 out.put_nowait(None)  # this prompt is done
 

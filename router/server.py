@@ -14,6 +14,7 @@ from router.priority_queue import AdmissionConfig, PriorityAdmission
 from router.router_service import RouterService
 from stagemesh import grpc_server, metrics
 from stagemesh.discovery.backends import open_registry
+from stagemesh.errors import StatusInterceptor
 from stagemesh.signals import until_signalled
 from stagemesh.tensor_codec import WIRE_DTYPES
 from stagemesh.v1 import router_pb2, router_pb2_grpc
@@ -75,7 +76,7 @@ class RouterServer:
         self.config = config
         model_config = AutoConfig.from_pretrained(config.model, local_files_only=True)
         tokenizer = AutoTokenizer.from_pretrained(config.model, local_files_only=True)
-        self.server = grpc_server.new_server()
+        self.server = grpc_server.new_server([StatusInterceptor(log)])
         self.health = grpc_server.add_health_and_reflection(self.server, [SERVICE_NAME])
         self.chains = ChainSet([parse_chain(c) for c in config.chains], model_config.num_hidden_layers,
                                on_change=self._on_chains_change)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -19,9 +20,10 @@ from stage_server.loader import load_stage
 from stage_server.model import StageModel
 from stage_server.quantize import loads_int8_weights, quantize
 from stage_server.sessions import SessionTable
-from stage_server.stage_service import StageService
+from stage_server.stage_service import ERROR_CODES, StageService
 from stagemesh import grpc_server
 from stagemesh.checkpoint import read_config
+from stagemesh.errors import StatusError, StatusInterceptor
 from stagemesh.v1 import stage_pb2, stage_pb2_grpc
 
 log = logging.getLogger("stagemesh.stage")
@@ -101,24 +103,26 @@ class StageSlot(stage_pb2_grpc.StageServicer):
     def __init__(self) -> None:
         self.current: StageService | None = None
 
-    async def _service(self, context) -> StageService:
+    def _service(self) -> StageService:
         if self.current is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                "this stage holds no layers yet: it is waiting for the scheduler to assign a range")
+            raise StatusError(grpc.StatusCode.UNAVAILABLE,
+                              "this stage holds no layers yet: it is waiting for the scheduler to assign a range")
         return self.current
 
     async def OpenSession(self, request, context):
-        return await (await self._service(context)).OpenSession(request, context)
+        return await self._service().OpenSession(request, context)
 
     async def CloseSession(self, request, context):
-        return await (await self._service(context)).CloseSession(request, context)
+        return await self._service().CloseSession(request, context)
 
     async def Forward(self, request_iterator, context):
-        async for response in (await self._service(context)).Forward(request_iterator, context):
-            yield response
+        # Closed with this stream, not when collected: the service's Forward closes its sessions then.
+        async with contextlib.aclosing(self._service().Forward(request_iterator, context)) as responses:
+            async for response in responses:
+                yield response
 
     async def Info(self, request, context):
-        return await (await self._service(context)).Info(request, context)
+        return await self._service().Info(request, context)
 
 
 class StageServer:
@@ -130,7 +134,7 @@ class StageServer:
         self.config = config
         self.device = resolve_device(config.device)
         self.num_layers = read_config(config.model)["num_hidden_layers"]
-        self.server = grpc_server.new_server()
+        self.server = grpc_server.new_server([StatusInterceptor(log, ERROR_CODES)])
         self.slot = StageSlot()
         stage_pb2_grpc.add_StageServicer_to_server(self.slot, self.server)
         self.health = grpc_server.add_health_and_reflection(self.server, [SERVICE_NAME])

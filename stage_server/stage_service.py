@@ -1,5 +1,6 @@
 """The stagemesh.v1.Stage servicer: converts protobuf at the edge, validates, and hands steps to
-the batcher. The model code never sees a protobuf message."""
+the batcher. The model code never sees a protobuf message. Handlers refuse by raising (StatusError,
+or a domain error of ERROR_CODES); the stage server's one StatusInterceptor answers the caller."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from stage_server.model import StageModel
 from stage_server.sampling import Sampling
 from stage_server.sessions import SessionError, SessionExists, SessionTable, SessionTooLong, UnknownSession
 from stagemesh import tensor_codec
+from stagemesh.errors import ErrorCodes, StatusError
 from stagemesh.v1 import stage_pb2, stage_pb2_grpc
 
 log = logging.getLogger("stagemesh.stage")
@@ -33,26 +35,16 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-class StepError(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code = code
-
-
-def _status_of(exc: Exception) -> tuple[grpc.StatusCode, str]:
-    if isinstance(exc, StepError):
-        return exc.code, str(exc)
-    if isinstance(exc, UnknownSession):
-        return grpc.StatusCode.NOT_FOUND, str(exc)
-    if isinstance(exc, SessionExists):
-        return grpc.StatusCode.ALREADY_EXISTS, str(exc)
-    if isinstance(exc, SessionTooLong):
-        return grpc.StatusCode.OUT_OF_RANGE, str(exc)
-    if isinstance(exc, PoolExhausted):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
-    if isinstance(exc, (SessionError, tensor_codec.CodecError)):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-    return grpc.StatusCode.INTERNAL, f"stage failed: {type(exc).__name__}: {exc}"
+ERROR_CODES: ErrorCodes = {
+    UnknownSession: grpc.StatusCode.NOT_FOUND,
+    SessionExists: grpc.StatusCode.ALREADY_EXISTS,
+    SessionTooLong: grpc.StatusCode.OUT_OF_RANGE,
+    SessionError: grpc.StatusCode.INVALID_ARGUMENT,
+    PoolExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    tensor_codec.CodecError: grpc.StatusCode.INVALID_ARGUMENT,
+}
+"""The stage's domain errors as the caller sees them (the stage server's StatusInterceptor reads
+this); anything else a handler raises is a bug: INTERNAL, logged, its text kept from the caller."""
 
 
 class StageService(stage_pb2_grpc.StageServicer):
@@ -63,18 +55,14 @@ class StageService(stage_pb2_grpc.StageServicer):
         self.model_name = model_name
 
     async def OpenSession(self, request, context):
-        try:
-            self.sessions.open(request.session_id, request.max_length, request.request_id)
-        except Exception as exc:
-            code, msg = _status_of(exc)
-            await context.abort(code, msg)
+        self.sessions.open(request.session_id, request.max_length, request.request_id)
         log.info("session opened", extra={"session_id": request.session_id,
                                           "request_id": request.request_id})
         return stage_pb2.OpenSessionResponse(session_id=request.session_id)
 
     async def CloseSession(self, request, context):
         if not self.sessions.close(request.session_id):
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"no open session {request.session_id!r}")
+            raise StatusError(grpc.StatusCode.NOT_FOUND, f"no open session {request.session_id!r}")
         return stage_pb2.CloseSessionResponse()
 
     async def Forward(self, request_iterator, context):
@@ -82,14 +70,7 @@ class StageService(stage_pb2_grpc.StageServicer):
         try:
             async for request in request_iterator:
                 touched.add(request.session_id)
-                try:
-                    step = self._to_step(request)
-                    result = await self.batcher.submit(step)
-                except Exception as exc:
-                    code, msg = _status_of(exc)
-                    if code == grpc.StatusCode.INTERNAL:
-                        log.exception("forward step failed", extra={"session_id": request.session_id})
-                    await context.abort(code, msg)
+                result = await self.batcher.submit(self._to_step(request))
                 response = stage_pb2.ForwardResponse(session_id=request.session_id)
                 if result.hidden is not None:
                     response.hidden.CopyFrom(tensor_codec.encode_hidden(result.hidden, request.wire_dtype))
@@ -111,48 +92,48 @@ class StageService(stage_pb2_grpc.StageServicer):
         which = request.WhichOneof("input")
         if model.is_first:
             if which != "token_ids":
-                raise StepError(grpc.StatusCode.INVALID_ARGUMENT,
-                                "the first stage takes token_ids, not hidden states")
+                raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
+                                  "the first stage takes token_ids, not hidden states")
             inputs = tensor_codec.decode(request.token_ids)
             if inputs.dtype not in (torch.int64, torch.int32) or inputs.dim() != 1:
-                raise StepError(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"token_ids must be a 1-D int64/int32 tensor, got {request.token_ids.dtype} "
-                                f"{list(inputs.shape)}")
+                raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
+                                  f"token_ids must be a 1-D int64/int32 tensor, got {request.token_ids.dtype} "
+                                  f"{list(inputs.shape)}")
             if inputs.numel() and (int(inputs.min()) < 0 or int(inputs.max()) >= args.vocab_size):
-                raise StepError(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"token id outside the vocabulary 0..{args.vocab_size - 1}")
+                raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
+                                  f"token id outside the vocabulary 0..{args.vocab_size - 1}")
             inputs = inputs.long()
         else:
             if which != "hidden":
-                raise StepError(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"stage {model.layer_start}:{model.layer_end} takes hidden states, not token ids")
+                raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
+                                  f"stage {model.layer_start}:{model.layer_end} takes hidden states, not token ids")
             inputs = tensor_codec.decode(request.hidden)
             if not inputs.is_floating_point():
-                raise StepError(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"hidden states must be float32, bfloat16, float16 or int8 with row_scale, "
-                                f"got {request.hidden.dtype}")
+                raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
+                                  f"hidden states must be float32, bfloat16, float16 or int8 with row_scale, "
+                                  f"got {request.hidden.dtype}")
             if inputs.dim() != 2 or inputs.shape[1] != args.hidden_size:
-                raise StepError(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"hidden states must have shape [tokens, {args.hidden_size}], "
-                                f"got {list(inputs.shape)}")
+                raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
+                                  f"hidden states must have shape [tokens, {args.hidden_size}], "
+                                  f"got {list(inputs.shape)}")
         n = inputs.shape[0]
         if n == 0:
-            raise StepError(grpc.StatusCode.INVALID_ARGUMENT, "a step needs at least one token")
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "a step needs at least one token")
         cache = session.cache
         if request.start != cache.length:
-            raise StepError(grpc.StatusCode.INVALID_ARGUMENT,
-                            f"step starts at position {request.start} but session {session.session_id} "
-                            f"holds positions 0..{cache.length - 1}; the next step must start at {cache.length}")
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"step starts at position {request.start} but session {session.session_id} "
+                              f"holds positions 0..{cache.length - 1}; the next step must start at {cache.length}")
         if request.start + n > cache.capacity:
-            raise StepError(grpc.StatusCode.OUT_OF_RANGE,
-                            f"step would reach position {request.start + n}, past the session's max_length "
-                            f"{cache.capacity}")
+            raise StatusError(grpc.StatusCode.OUT_OF_RANGE,
+                              f"step would reach position {request.start + n}, past the session's max_length "
+                              f"{cache.capacity}")
         sampling = None
         if model.is_last and not request.skip_sample:
             p = request.sampling
             if p.temperature < 0 or p.top_k < 0 or not 0 <= p.top_p <= 1:
-                raise StepError(grpc.StatusCode.INVALID_ARGUMENT,
-                                "sampling needs temperature >= 0, top_k >= 0 and 0 <= top_p <= 1")
+                raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
+                                  "sampling needs temperature >= 0, top_k >= 0 and 0 <= top_p <= 1")
             sampling = Sampling(p.temperature, p.top_k, p.top_p or 1.0, p.seed)
         return StepRequest(session, request.start, inputs, sampling, request.return_logits)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import _async as reflection_aio
@@ -15,8 +17,10 @@ CHANNEL_OPTIONS = [
 ]
 
 
-def new_server() -> grpc.aio.Server:
-    return grpc.aio.server(options=CHANNEL_OPTIONS)
+def new_server(interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> grpc.aio.Server:
+    """A server with stagemesh's message limits; its services' servers pass their
+    errors.StatusInterceptor here, so that every handler's errors are answered one way."""
+    return grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=list(interceptors))
 
 
 def add_health_and_reflection(server: grpc.aio.Server, service_names: list[str]) -> health.aio.HealthServicer:

@@ -7,8 +7,8 @@ import asyncio
 import pytest
 import torch
 
-from router.chain_client import Chain, ChainSession, StageEndpoint
-from stagemesh.v1 import router_pb2, stage_pb2
+from router.chain_client import Chain, ChainSession, Sampling, StageEndpoint
+from stagemesh.v1 import router_pb2
 from tests.conftest import FAMILIES, collect, hf_greedy, splits, start_mesh
 
 LAYOUTS = {
@@ -52,13 +52,13 @@ async def test_last_stage_logits_match_transformers(meshes, hf_models, family, n
     mesh = meshes[family, n_stages]
     chain = Chain([StageEndpoint(s.address) for s in mesh.stages[0]])
     ids = prompt(16, seed=100 + n_stages)
-    greedy = stage_pb2.SamplingParams()
+    greedy = Sampling()
     got_logits, tokens = [], list(ids)
     async with ChainSession(chain, max_length=64, request_id="logits-test") as session:
         feed = ids
         for _ in range(8):
             response = await session.step(feed, sampling=greedy, return_logits=True)
-            got_logits.append(torch.frombuffer(bytearray(response.logits.data), dtype=torch.float32))
+            got_logits.append(response.logits)
             tokens.append(response.token_id)
             feed = [response.token_id]
     with torch.inference_mode():
@@ -109,10 +109,10 @@ async def test_bfloat16_chain_follows_transformers_in_bfloat16(tiny_models):
     try:
         chain = Chain([StageEndpoint(s.address) for s in mesh.stages[0]])
         async with ChainSession(chain, max_length=64, request_id="bf16-test") as session:
-            response = await session.step(ids, sampling=stage_pb2.SamplingParams(), return_logits=True)
+            response = await session.step(ids, sampling=Sampling(), return_logits=True)
         await chain.stages[0].close()
         await chain.stages[1].close()
-        got = torch.frombuffer(bytearray(response.logits.data), dtype=torch.float32)
+        got = response.logits
         with torch.inference_mode():
             ref = hf(torch.tensor([ids])).logits[0, -1].float()
         torch.testing.assert_close(got, ref, atol=0.05, rtol=0)

@@ -6,11 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from router.chain_client import Chain, ChainSession, StageEndpoint
+from router.chain_client import Chain, ChainSession, Sampling, StageEndpoint
 from stage_server.loader import load_stage
 from stage_server.quantize import Int8WeightLinear, quantize
-from stagemesh import tensor_codec
-from stagemesh.v1 import stage_pb2
 from tests.conftest import splits, start_mesh
 
 
@@ -18,8 +16,8 @@ async def last_logits(mesh, ids: list[int]) -> torch.Tensor:
     chain = Chain([StageEndpoint(s.address) for s in mesh.stages[0]])
     try:
         async with ChainSession(chain, 64, "quantize-test") as session:
-            response = await session.step(ids, sampling=stage_pb2.SamplingParams(), return_logits=True)
-            return tensor_codec.decode(response.logits)
+            response = await session.step(ids, sampling=Sampling(), return_logits=True)
+            return response.logits
     finally:
         for s in chain.stages:
             await s.close()
