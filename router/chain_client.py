@@ -76,6 +76,15 @@ class StepResult:
 
 
 _chain_counter = itertools.count(1)
+CLOSE_TIMEOUT_S = 0.5
+_closing: set[asyncio.Task] = set()
+
+
+def _background(coro) -> None:
+    """Runs coro without waiting for it (a strong reference keeps it alive until done)."""
+    task = asyncio.get_running_loop().create_task(coro)
+    _closing.add(task)
+    task.add_done_callback(_closing.discard)
 
 
 @dataclass
@@ -90,6 +99,7 @@ class Chain:
     # and KV-pool bytes free at the fullest one.
     queued_steps: int = 0
     kv_free_bytes: int = 0
+    step_ms: float = 0.0  # the slowest stage's median decode pass, as reported: the base of step timeouts
     withdrawn: bool = False  # no longer published: its channels close when its last stream ends
 
     @property
@@ -97,15 +107,38 @@ class Chain:
         return " -> ".join(f"{s.address}[{s.layer_start}:{s.layer_end}]" for s in self.stages)
 
 
+@dataclass(frozen=True)
+class Progress:
+    """How long a stage may take to answer before the router calls it hung (SIGSTOP, a stuck
+    compute thread, a black-holed link) and moves the stream: scaled by what the stage reports, so
+    that a slow model's honest step is never taken for a hang."""
+
+    floor_s: float = 10.0
+    """No answer is called late sooner than this."""
+    per_token_steps: float = 4.0
+    """On top of the floor: this many of the chain's reported decode passes per token in the step,
+    and per step queued ahead of it."""
+
+    def timeout(self, chain: Chain, tokens: int) -> float:
+        return self.floor_s + self.per_token_steps * chain.step_ms / 1000 * (tokens + chain.queued_steps)
+
+
+def _stage_error(code: grpc.StatusCode, stage: StageEndpoint, details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                details=f"stage {stage.address}: {details}")
+
+
 class ChainSession:
     """One request's inference session on every stage of a chain.
 
     Use as `async with ChainSession(chain, ...) as s:`; leaving the block closes every
-    stage's session, whatever the way out (done, error, cancellation)."""
+    stage's session, whatever the way out (done, error, cancellation), without waiting on a stage
+    that may be dead: the streams are cancelled at once and the sessions closed in the background."""
 
     def __init__(self, chain: Chain, max_length: int, request_id: str, deadline: float | None = None,
-                 wire_dtype: str = ""):
+                 wire_dtype: str = "", progress: Progress | None = None):
         self.chain = chain
+        self.progress = progress or Progress()
         self.wire_dtype = wire_dtype  # how stages send hidden states on ("": their own dtype)
         self.max_length = max_length
         self.request_id = request_id
@@ -124,13 +157,21 @@ class ChainSession:
     async def __aenter__(self) -> ChainSession:
         try:
             for stage in self.chain.stages:
-                await stage.stub.OpenSession(
-                    stage_pb2.OpenSessionRequest(
-                        session_id=self.session_id, max_length=self.max_length, request_id=self.request_id
-                    ),
-                    timeout=self._timeout(),
-                    metadata=(("x-request-id", self.request_id),),
-                )
+                limit = self.progress.timeout(self.chain, 1)
+                timeout = self._timeout()
+                try:
+                    await stage.stub.OpenSession(
+                        stage_pb2.OpenSessionRequest(
+                            session_id=self.session_id, max_length=self.max_length, request_id=self.request_id
+                        ),
+                        timeout=limit if timeout is None else min(limit, timeout),
+                        metadata=(("x-request-id", self.request_id),),
+                    )
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and (timeout is None or limit < timeout):
+                        raise _stage_error(grpc.StatusCode.UNAVAILABLE, stage,
+                                           f"no answer to OpenSession in {limit:.1f}s: hung or unreachable") from None
+                    raise
                 self._opened.append(stage)
                 self._streams.append(
                     stage.stub.Forward(timeout=self._timeout(), metadata=(("x-request-id", self.request_id),))
@@ -149,10 +190,20 @@ class ChainSession:
             # stream whose other side is stuck.
             call.cancel()
         self._streams.clear()
-        for stage in self._opened:
-            with contextlib.suppress(grpc.RpcError, asyncio.CancelledError):
-                await stage.stub.CloseSession(stage_pb2.CloseSessionRequest(session_id=self.session_id), timeout=2)
+        if self._opened:
+            # Belt and braces for a stage that missed the stream's end; never waited on, so a
+            # failover does not wait for the dead.
+            _background(self._close_sessions(list(self._opened)))
         self._opened.clear()
+
+    async def _close_sessions(self, stages: list[StageEndpoint]) -> None:
+        request = stage_pb2.CloseSessionRequest(session_id=self.session_id)
+
+        async def close_one(stage: StageEndpoint) -> None:
+            with contextlib.suppress(grpc.RpcError, asyncio.CancelledError, AttributeError):
+                await stage.stub.CloseSession(request, timeout=CLOSE_TIMEOUT_S)
+
+        await asyncio.gather(*(close_one(s) for s in stages))
 
     def _request(self, index: int, start: int, tensor: tensor_pb2.Tensor, sampling: stage_pb2.SamplingParams,
                  is_last_chunk: bool, return_logits: bool) -> stage_pb2.ForwardRequest:
@@ -171,24 +222,29 @@ class ChainSession:
             request.return_logits = return_logits and is_last_chunk
         return request
 
-    async def _exchange(self, index: int, request: stage_pb2.ForwardRequest) -> stage_pb2.ForwardResponse:
+    async def _exchange(self, index: int, request: stage_pb2.ForwardRequest, tokens: int,
+                        ) -> stage_pb2.ForwardResponse:
         call = self._streams[index]
+        stage = self.chain.stages[index]
+        limit = self.progress.timeout(self.chain, tokens)
         try:
-            await call.write(request)
+            await asyncio.wait_for(call.write(request), limit)
             if index == 0 and self._token_read_at is not None:
                 metrics.TOKEN_TURNAROUND.observe(time.perf_counter() - self._token_read_at)
                 self._token_read_at = None
-            response = await call.read()
+            response = await asyncio.wait_for(call.read(), limit)
         except asyncio.InvalidStateError:  # the stream had already ended: its status says why
             response = grpc.aio.EOF
+        except TimeoutError:
+            call.cancel()
+            metrics.STEP_TIMEOUTS.inc()
+            raise _stage_error(grpc.StatusCode.UNAVAILABLE, stage,
+                               f"no progress on a {tokens}-token step in {limit:.1f}s: hung or unreachable") from None
         if response is grpc.aio.EOF:
             code, details = await call.code(), await call.details()
             if code == grpc.StatusCode.OK:
                 code, details = grpc.StatusCode.UNAVAILABLE, "ended the stream"
-            raise grpc.aio.AioRpcError(
-                code, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                details=f"stage {self.chain.stages[index].address}: {details}",
-            )
+            raise _stage_error(code, stage, details)
         return response
 
     async def step(
@@ -215,7 +271,7 @@ class ChainSession:
             tensor = tensor_codec.encode_ids(token_ids)
             for i in range(n_stages):
                 request = self._request(i, self.position, tensor, sampling, True, return_logits)
-                response = await self._exchange(i, request)
+                response = await self._exchange(i, request, len(token_ids))
                 tensor = response.hidden
             return response
 
@@ -231,7 +287,7 @@ class ChainSession:
             for _ in chunks:
                 chunk_start, is_last_chunk, tensor = await queues[i].get()
                 request = self._request(i, chunk_start, tensor, sampling, is_last_chunk, return_logits)
-                response = await self._exchange(i, request)
+                response = await self._exchange(i, request, chunk_size)
                 if i < n_stages - 1:
                     queues[i + 1].put_nowait((chunk_start, is_last_chunk, response.hidden))
                 last_response = response

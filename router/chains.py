@@ -117,6 +117,7 @@ class ChainSet:
             return False
         chain.queued_steps = max(i.queued_steps for i in infos)
         chain.kv_free_bytes = min(i.kv_capacity_bytes - i.kv_used_bytes for i in infos)
+        chain.step_ms = max(i.step_ms for i in infos)
         return True
 
     def _check_layers(self, chain: Chain, infos: list[stage_pb2.StageInfo]) -> None:

@@ -3,27 +3,43 @@ move to another chain (replaying what the dead one had) when a stage dies mid-st
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import random
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
 
-from router.chain_client import ChainSession, Sampling
+from router.chain_client import ChainSession, Progress, Sampling
 from router.chains import ChainSet, NoUsableChain
 from router.detokenizer import IncrementalText
 from stagemesh import metrics
+from stagemesh.errors import StatusError
 
 log = logging.getLogger("stagemesh.router")
 
-# A stage that died or cannot take the session: the request can continue on another chain.
-FAILOVER_CODES = frozenset({
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.RESOURCE_EXHAUSTED,
-    grpc.StatusCode.CANCELLED,
-    grpc.StatusCode.INTERNAL,
+# What a stage's status says about where the fault lies. A chain is marked down only for faults of
+# the chain; a fault of this session on that chain moves the stream without blaming the chain.
+CHAIN_FAULTS = frozenset({
+    grpc.StatusCode.UNAVAILABLE,  # dead, unreachable, hung (the progress timeout), or stopping
     grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.UNAUTHENTICATED,
+    grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.UNIMPLEMENTED,
 })
+SESSION_FAULTS = frozenset({
+    grpc.StatusCode.INTERNAL,  # a step that failed alone on the stage
+    grpc.StatusCode.CANCELLED,  # the stage ended the stream (e.g. swapping its slice)
+    grpc.StatusCode.NOT_FOUND,  # the session is gone (expired, stage restarted)
+    grpc.StatusCode.ALREADY_EXISTS,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.INVALID_ARGUMENT,  # after the router's validation: positions or a mismatch, not the caller
+    grpc.StatusCode.OUT_OF_RANGE,
+    grpc.StatusCode.ABORTED,
+    grpc.StatusCode.DATA_LOSS,
+})
+FULL = grpc.StatusCode.RESOURCE_EXHAUSTED  # no room on that chain now: another chain, or later
 
 
 @dataclass
@@ -55,24 +71,40 @@ class GenerationConfig:
     """How many times one request may move to another chain."""
     wire_dtype: str = ""
     """Hidden states between stages: "" (each stage's own dtype), float32, bfloat16, float16 or int8."""
+    step_timeout_s: float = 10.0
+    """A stage that answers no step in this long (plus a margin scaled by its reported step time) is
+    taken for hung: the stream moves to another chain."""
+    max_full_wait_s: float = 30.0
+    """When every chain is full, how long a request waits for room (retrying with backoff) before
+    RESOURCE_EXHAUSTED; its deadline, if sooner, bounds the wait too."""
 
 
 async def generate(
     req: GenerationRequest, chains: ChainSet, tokenizer, eos_ids: frozenset[int], config: GenerationConfig
 ) -> AsyncIterator[Piece]:
+    """Yields the request's pieces; a failure the caller should see leaves as StatusError."""
     sampling = Sampling(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=req.seed)
+    progress = Progress(floor_s=config.step_timeout_s)
     text = IncrementalText(tokenizer, req.stop)
     generated: list[int] = []
-    tried: set[str] = set()
+    tried: set[str] = set()  # chains this request failed on (or found full) since it last waited
+    failures, last_error = 0, ""
+    backoff = Backoff(req.deadline, config.max_full_wait_s)
     max_length = len(req.prompt_ids) + req.max_new_tokens
     while True:
         try:
             chain = chains.pick(exclude=tried)
         except NoUsableChain:
-            chain = chains.pick()  # every usable chain was tried: the least loaded again
+            if not tried:
+                raise
+            # Every usable chain failed this request or was full: wait a little, then try them again.
+            await backoff.wait(f"every chain is full or failed this request (last: {last_error})")
+            tried.clear()
+            continue
         chain.in_flight += 1
         try:
-            async with ChainSession(chain, max_length, req.request_id, req.deadline, config.wire_dtype) as session:
+            async with ChainSession(chain, max_length, req.request_id, req.deadline, config.wire_dtype,
+                                    progress) as session:
                 # Everything the chain has not seen yet: the prompt at first (after a failover the
                 # prompt plus all tokens so far), then one token per decode step.
                 feed = req.prompt_ids + generated
@@ -92,16 +124,60 @@ async def generate(
                         return
                     yield Piece([token], new_text)
         except grpc.aio.AioRpcError as exc:
-            if exc.code() not in FAILOVER_CODES or len(tried) >= config.max_failovers:
-                raise
+            code, last_error = exc.code(), f"{exc.code().name}: {exc.details()}"
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise StatusError(code, "the call's deadline passed before generation finished") from None
             tried.add(chain.chain_id)
+            if code == FULL:
+                metrics.FULL_RETRIES.inc()
+                continue
+            failures += 1
+            if failures > config.max_failovers:
+                raise _give_up(code, failures, last_error) from None
             metrics.FAILOVERS.inc()
-            if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
-                chains.mark_down(chain, f"{exc.code().name}: {exc.details()}")
+            if code not in SESSION_FAULTS:
+                chains.mark_down(chain, last_error)
             log.warning(
-                f"chain {chain.chain_id} failed ({exc.code().name}: {exc.details()}); moving the stream to "
-                f"another chain and replaying {len(req.prompt_ids)} prompt + {len(generated)} generated tokens",
+                f"chain {chain.chain_id} failed ({last_error}); moving the stream to another chain and "
+                f"replaying {len(req.prompt_ids)} prompt + {len(generated)} generated tokens",
                 extra={"request_id": req.request_id, "chain": chain.chain_id},
             )
         finally:
             chains.release(chain)
+
+
+def _give_up(code: grpc.StatusCode, failures: int, last_error: str) -> StatusError:
+    """What the caller hears when the request failed on chain after chain."""
+    if code in SESSION_FAULTS:
+        return StatusError(grpc.StatusCode.INTERNAL,
+                           f"the request failed on {failures} chains in a row (last: {last_error}); "
+                           "it was not retried further")
+    return StatusError(grpc.StatusCode.UNAVAILABLE,
+                       f"a stage failed and no other chain could continue (last: {last_error})")
+
+
+class Backoff:
+    """Bounded waits with exponential backoff and jitter, for a request that found every chain full:
+    never a busy loop, never past its deadline or max_wait_s in all."""
+
+    first_s = 0.05
+    max_s = 1.0
+
+    def __init__(self, deadline: float | None, max_wait_s: float):
+        self.deadline = deadline
+        self.max_wait_s = max_wait_s
+        self.waited = 0.0
+        self.attempt = 0
+
+    async def wait(self, why: str) -> None:
+        delay = min(self.max_s, self.first_s * 2**self.attempt) * random.uniform(0.5, 1.5)
+        left = self.max_wait_s - self.waited
+        if self.deadline is not None:
+            left = min(left, self.deadline - asyncio.get_running_loop().time())
+        if delay > left:
+            raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"no chain had room for this request within {self.waited:.1f}s ({why}); "
+                              "retry later or with fewer new tokens")
+        await asyncio.sleep(delay)
+        self.waited += delay
+        self.attempt += 1

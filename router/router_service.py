@@ -17,6 +17,15 @@ from router.generation import GenerationConfig, GenerationRequest, generate
 from router.priority_queue import AdmissionRefused, PriorityAdmission, priority_class
 from stagemesh import metrics
 from stagemesh.errors import StatusError
+from stagemesh.request_limits import (
+    MAX_BATCH_REQUESTS,
+    MAX_PROMPT_CHARS_PER_TOKEN,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    InvalidSampling,
+    check_sampling,
+    request_id_problem,
+)
 from stagemesh.v1 import router_pb2, router_pb2_grpc
 
 log = logging.getLogger("stagemesh.router")
@@ -40,12 +49,28 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self.config = config
         self.model_name = model_name
 
-    def to_generation_request(self, request: router_pb2.GenerateRequest, context) -> GenerationRequest:
+    async def to_generation_request(self, request: router_pb2.GenerateRequest, context) -> GenerationRequest:
+        """Checks everything a stage would refuse, and the bounds of request_limits, before any work."""
         bad = grpc.StatusCode.INVALID_ARGUMENT
+        if request.request_id and (problem := request_id_problem(request.request_id)):
+            raise StatusError(bad, problem)
         if request.prompt and request.token_ids:
             raise StatusError(bad, "set either prompt or token_ids, not both")
-        if request.prompt:
-            prompt_ids = self.tokenizer(request.prompt, add_special_tokens=True)["input_ids"]
+        try:
+            check_sampling(request.temperature, request.top_k, request.top_p)
+        except InvalidSampling as exc:
+            raise StatusError(bad, str(exc)) from None
+        if len(request.stop) > MAX_STOP_STRINGS or any(not 0 < len(s) <= MAX_STOP_CHARS for s in request.stop):
+            raise StatusError(bad, f"stop: at most {MAX_STOP_STRINGS} strings of 1..{MAX_STOP_CHARS} characters")
+        if request.max_new_tokens <= 0:
+            raise StatusError(bad, "max_new_tokens must be at least 1")
+        if len(request.prompt) > self.max_position * MAX_PROMPT_CHARS_PER_TOKEN:
+            raise StatusError(grpc.StatusCode.OUT_OF_RANGE,
+                              f"the prompt has {len(request.prompt)} characters, more than the model's context of "
+                              f"{self.max_position} tokens can hold: shorten it")
+        if request.prompt:  # off the event loop: a long text must not stall other callers' streams
+            prompt_ids = (await asyncio.to_thread(self.tokenizer, request.prompt, add_special_tokens=True))[
+                "input_ids"]
         else:
             prompt_ids = list(request.token_ids)
         if not prompt_ids:
@@ -53,8 +78,6 @@ class RouterService(router_pb2_grpc.RouterServicer):
         outside = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
         if outside:
             raise StatusError(bad, f"token id {outside[0]} is outside the vocabulary 0..{self.vocab_size - 1}")
-        if request.max_new_tokens <= 0:
-            raise StatusError(bad, "max_new_tokens must be at least 1")
         if len(prompt_ids) >= self.max_position:
             raise StatusError(
                 grpc.StatusCode.OUT_OF_RANGE,
@@ -67,10 +90,6 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 f"model's context of {self.max_position}; ask for at most "
                 f"{self.max_position - len(prompt_ids)} new tokens",
             )
-        if request.temperature < 0 or request.top_k < 0 or not 0 <= request.top_p <= 1:
-            raise StatusError(bad, "sampling needs temperature >= 0, top_k >= 0 and 0 <= top_p <= 1")
-        if any(not s for s in request.stop):
-            raise StatusError(bad, "stop strings must not be empty")
         remaining = context.time_remaining()
         deadline = asyncio.get_running_loop().time() + remaining if remaining is not None else None
         return GenerationRequest(
@@ -119,42 +138,45 @@ class RouterService(router_pb2_grpc.RouterServicer):
             log.warning(str(exc), extra=extra)
             status = "UNAVAILABLE"
             raise StatusError(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
-        except grpc.aio.AioRpcError as exc:
-            code = exc.code()
-            status = code.name
-            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                raise StatusError(code, "the call's deadline passed before generation finished") from None
-            log.warning(f"stage error: {code.name}: {exc.details()}", extra=extra)
-            if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                raise StatusError(code, f"every chain is full: {exc.details()}") from None
-            if code not in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE):
-                code = grpc.StatusCode.UNAVAILABLE
-            raise StatusError(code, f"a stage failed and no other chain could continue: {exc.details()}") from None
+        except StatusError as exc:
+            status = exc.code.name
+            log.warning(f"generate failed: {exc.code.name}: {exc.message}", extra=extra)
+            raise
         finally:
             self.admission.release()
             metrics.REQUESTS.labels(status).inc()
 
     async def Generate(self, request, context):
         # Closed with the call, not when collected: _stream gives its admission slot back then.
-        async with contextlib.aclosing(self._stream(self.to_generation_request(request, context))) as responses:
+        req = await self.to_generation_request(request, context)
+        async with contextlib.aclosing(self._stream(req)) as responses:
             async for response in responses:
                 yield response
 
     async def GenerateBatch(self, request, context):
-        if not request.requests:
-            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "requests is empty")
-        out: asyncio.Queue[router_pb2.GenerateBatchResponse | None] = asyncio.Queue()
+        if not 0 < len(request.requests) <= MAX_BATCH_REQUESTS:
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"requests has {len(request.requests)} entries: send 1..{MAX_BATCH_REQUESTS} per call")
+        # Bounded: a caller that reads slowly holds its prompts' streams back instead of the router
+        # buffering their tokens.
+        out: asyncio.Queue[router_pb2.GenerateBatchResponse | None] = asyncio.Queue(maxsize=64)
 
         async def run(index: int, sub: router_pb2.GenerateRequest) -> None:
             try:
-                req = self.to_generation_request(sub, context)
-                async for response in self._stream(req):
-                    out.put_nowait(router_pb2.GenerateBatchResponse(index=index, response=response))
+                req = await self.to_generation_request(sub, context)
+                async with contextlib.aclosing(self._stream(req)) as responses:
+                    async for response in responses:
+                        await out.put(router_pb2.GenerateBatchResponse(index=index, response=response))
             except StatusError as exc:  # one prompt's refusal is its own entry; the others go on
-                out.put_nowait(router_pb2.GenerateBatchResponse(
+                await out.put(router_pb2.GenerateBatchResponse(
                     index=index, error_code=exc.code.value[0], error_message=f"request {index}: {exc.message}"))
+            except Exception:  # a bug: this prompt gets an entry all the same, never a silent drop
+                log.exception(f"GenerateBatch entry {index} failed", extra={"request_id": sub.request_id})
+                await out.put(router_pb2.GenerateBatchResponse(
+                    index=index, error_code=grpc.StatusCode.INTERNAL.value[0],
+                    error_message=f"request {index}: internal error in the router; it logged it"))
             finally:
-                out.put_nowait(None)  # this prompt is done
+                await out.put(None)  # this prompt is done
 
         # Each prompt runs as its own stream; the chain picker spreads them over all usable chains.
         tasks = [asyncio.ensure_future(run(i, sub)) for i, sub in enumerate(request.requests)]

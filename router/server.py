@@ -76,7 +76,7 @@ class RouterServer:
         self.config = config
         model_config = AutoConfig.from_pretrained(config.model, local_files_only=True)
         tokenizer = AutoTokenizer.from_pretrained(config.model, local_files_only=True)
-        self.server = grpc_server.new_server([StatusInterceptor(log)])
+        self.server = grpc_server.new_server([StatusInterceptor(log)], grpc_server.PUBLIC_MAX_MESSAGE_BYTES)
         self.health = grpc_server.add_health_and_reflection(self.server, [SERVICE_NAME])
         self.chains = ChainSet([parse_chain(c) for c in config.chains], model_config.num_hidden_layers,
                                on_change=self._on_chains_change)
@@ -104,6 +104,8 @@ class RouterServer:
         asyncio.get_running_loop().create_task(grpc_server.set_serving(self.health, [SERVICE_NAME], serving))
 
     async def start(self) -> None:
+        # NOT_SERVING (health's own default for "" is SERVING) until a first check finds a whole chain.
+        await grpc_server.set_serving(self.health, [SERVICE_NAME], False)
         await self.server.start()
         await self.chains.refresh()
         loop = asyncio.get_running_loop()

@@ -38,8 +38,10 @@ class SessionTable:
         self.pool = pool
         self.max_position = max_position
         self.sessions: dict[str, Session] = {}
+        self.open_attempts = 0  # refused ones too: how hard callers press on this stage
 
     def open(self, session_id: str, max_length: int, request_id: str = "") -> Session:
+        self.open_attempts += 1
         if not session_id:
             raise SessionError("session_id is empty; choose a unique id per session")
         if session_id in self.sessions:

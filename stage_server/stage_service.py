@@ -10,13 +10,14 @@ import resource
 import grpc
 import torch
 
-from stage_server.batcher import StepBatcher, StepRequest
+from stage_server.batcher import BatcherStopped, OutOfMemory, StepBatcher, StepRequest
 from stage_server.kv_pool import PoolExhausted
 from stage_server.model import StageModel
 from stage_server.sampling import Sampling
 from stage_server.sessions import SessionError, SessionExists, SessionTable, SessionTooLong, UnknownSession
 from stagemesh import tensor_codec
 from stagemesh.errors import ErrorCodes, StatusError
+from stagemesh.request_limits import InvalidSampling
 from stagemesh.v1 import stage_pb2, stage_pb2_grpc
 
 log = logging.getLogger("stagemesh.stage")
@@ -41,10 +42,14 @@ ERROR_CODES: ErrorCodes = {
     SessionTooLong: grpc.StatusCode.OUT_OF_RANGE,
     SessionError: grpc.StatusCode.INVALID_ARGUMENT,
     PoolExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    OutOfMemory: grpc.StatusCode.RESOURCE_EXHAUSTED,
     tensor_codec.CodecError: grpc.StatusCode.INVALID_ARGUMENT,
+    InvalidSampling: grpc.StatusCode.INVALID_ARGUMENT,
+    BatcherStopped: grpc.StatusCode.UNAVAILABLE,
 }
 """The stage's domain errors as the caller sees them (the stage server's StatusInterceptor reads
-this); anything else a handler raises is a bug: INTERNAL, logged, its text kept from the caller."""
+this); anything else a handler raises is a bug: INTERNAL, logged, its text kept from the caller.
+A step that failed alone in its pass (batcher.StepFailed) is such a bug, of that step only."""
 
 
 class StageService(stage_pb2_grpc.StageServicer):
@@ -131,10 +136,7 @@ class StageService(stage_pb2_grpc.StageServicer):
         sampling = None
         if model.is_last and not request.skip_sample:
             p = request.sampling
-            if p.temperature < 0 or p.top_k < 0 or not 0 <= p.top_p <= 1:
-                raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
-                                  "sampling needs temperature >= 0, top_k >= 0 and 0 <= top_p <= 1")
-            sampling = Sampling(p.temperature, p.top_k, p.top_p or 1.0, p.seed)
+            sampling = Sampling(p.temperature, p.top_k, p.top_p or 1.0, p.seed)  # checks the bounds
         return StepRequest(session, request.start, inputs, sampling, request.return_logits)
 
     async def Info(self, request, context):

@@ -11,16 +11,38 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
 # Hidden states of a long prefill can be large; the default 4 MiB limit would reject them.
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+PUBLIC_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+"""What the router's public port accepts in one message: a request whose prompt is as long as any
+context we serve fits many times over; a 256 MiB message from anyone does not."""
+KEEPALIVE_S = 5.0
+"""Channels ping an idle peer this often, and a peer that does not answer in KEEPALIVE_TIMEOUT_S is
+dropped: a host that black-holes packets, or a stopped process, fails its calls instead of hanging."""
+KEEPALIVE_TIMEOUT_S = 3.0
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", int(KEEPALIVE_S * 1000)),
+    ("grpc.keepalive_timeout_ms", int(KEEPALIVE_TIMEOUT_S * 1000)),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+SERVER_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # Accept our clients' keepalive pings (by default a server answers frequent pings with GOAWAY).
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", int(KEEPALIVE_S * 1000) // 2),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_ping_strikes", 0),
 ]
 
 
-def new_server(interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> grpc.aio.Server:
-    """A server with stagemesh's message limits; its services' servers pass their
+def new_server(interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+               max_receive_bytes: int = MAX_MESSAGE_BYTES) -> grpc.aio.Server:
+    """A server with stagemesh's message limits and keepalive; its services' servers pass their
     errors.StatusInterceptor here, so that every handler's errors are answered one way."""
-    return grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=list(interceptors))
+    options = [o for o in SERVER_OPTIONS if o[0] != "grpc.max_receive_message_length"]
+    options.append(("grpc.max_receive_message_length", max_receive_bytes))
+    return grpc.aio.server(options=options, interceptors=list(interceptors))
 
 
 def add_health_and_reflection(server: grpc.aio.Server, service_names: list[str]) -> health.aio.HealthServicer:

@@ -23,6 +23,10 @@ TOKEN_TURNAROUND = Histogram(
     "The router's share of a decode step: from the last stage's token read to the next step written to the first "
     "stage (the caller's copy of the token is sent in between)", buckets=OVERHEAD_BUCKETS)
 FAILOVERS = Counter("stagemesh_router_failovers_total", "Streams moved to another chain after a stage failed")
+STEP_TIMEOUTS = Counter("stagemesh_router_step_timeouts_total",
+                        "Stage answers that did not come within the progress timeout (hung or unreachable stage)")
+FULL_RETRIES = Counter("stagemesh_router_full_retries_total",
+                       "Waits (with backoff) because every chain tried was full")
 
 # Stage
 STEP_SECONDS = Histogram("stagemesh_stage_batch_seconds", "Time of one batched forward pass",

@@ -1,0 +1,222 @@
+"""The router under faults that are not a clean death: a hung or black-holed stage, a full KV pool,
+statuses that blame the session and not the chain, a bad request id, a slow first health check."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from router.generation import GenerationConfig
+from router.server import RouterConfig, RouterServer
+from stage_server.sessions import UnknownSession
+from stagemesh import grpc_server
+from stagemesh.link_proxy import LinkProxy
+from stagemesh.v1 import router_pb2, router_pb2_grpc, stage_pb2
+from tests.conftest import collect, hf_greedy, splits, start_mesh
+from tests.test_exactness import prompt
+
+
+def request(ids: list[int], n: int, **kw) -> router_pb2.GenerateRequest:
+    return router_pb2.GenerateRequest(token_ids=ids, max_new_tokens=n, **kw)
+
+
+async def router_over(mesh, model, chain_specs: list[str], **generation) -> router_pb2_grpc.RouterStub:
+    """A router for the given chain specs (addresses may be link proxies in front of stages)."""
+    mesh.router = RouterServer(RouterConfig(model=str(model), chains=chain_specs, port=0, health_interval_s=0.2,
+                                            generation=GenerationConfig(**generation)))
+    await mesh.router.start()
+    return mesh.router_stub
+
+
+@pytest.mark.parametrize("fault", ["black_hole", "stalled_compute"])
+async def test_a_hung_stage_is_failed_over_like_a_dead_one(tiny_model, hf_models, fault, monkeypatch):
+    """A stage that stops answering mid-stream, with its process (and health endpoint) still up:
+    the stream moves to the other chain within the progress timeout and its tokens are exact."""
+    mesh = await start_mesh(tiny_model, [splits(4, 4), splits(2, 6)], router=False)
+    link = LinkProxy(mesh.stages[0][1].address).start()
+    try:
+        stub = await router_over(mesh, tiny_model, [f"{mesh.stages[0][0].address},{link.address}",
+                                                    ",".join(s.address for s in mesh.stages[1])],
+                                 step_timeout_s=1.0)
+        ids = prompt(16, seed=21)
+        expected = hf_greedy(hf_models["llama"], ids, 30)
+        mesh.router.chains.chains[1].healthy = False  # the stream starts on the chain behind the link
+        got, t_fault, t_next = [], 0.0, 0.0
+        async for r in stub.Generate(request(ids, 30), timeout=60):
+            got.extend(r.token_ids)
+            if len(got) == 5:
+                mesh.router.chains.chains[1].healthy = True
+                if fault == "black_hole":
+                    link.set(black_hole=True)
+                else:  # the compute thread stuck: the stage's event loop, and its health, still answer
+                    monkeypatch.setattr(mesh.stages[0][1].batcher, "submit", _never)
+                t_fault = time.monotonic()
+            elif len(got) == 6:
+                t_next = time.monotonic()
+        assert got == expected
+        assert t_next - t_fault < 15  # the progress timeout (1 s + margin), not the call's 60 s deadline
+    finally:
+        link.stop()
+        await mesh.stop()
+
+
+async def _never(*_args, **_kwargs):
+    await asyncio.Event().wait()
+
+
+async def test_a_full_pool_waits_with_backoff_then_refuses_clearly(tiny_model):
+    """No hot retry loop: a request no chain has room for waits (a bounded number of attempts,
+    backing off) and ends RESOURCE_EXHAUSTED; once room appears, the next one is served."""
+    mesh = await start_mesh(tiny_model, [splits(8)], stage_options={"kv_cache_gb": 0.0005},
+                            router_options={"generation": GenerationConfig(max_full_wait_s=1.5)})
+    try:
+        stage = mesh.stages[0][0]
+        holder = stage.sessions.open("holder", stage.pool.capacity_bytes // stage.pool.bytes_for(1) - 4)
+        opens_before = _open_calls(stage)
+        t0 = time.monotonic()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await collect(mesh.router_stub.Generate(request([5, 6, 7], 20), timeout=30))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "room" in err.value.details()
+        assert 1.0 <= time.monotonic() - t0 < 10
+        assert _open_calls(stage) - opens_before < 25  # backing off, not spinning
+        stage.sessions.close(holder.session_id)
+        ids, _, _ = await collect(mesh.router_stub.Generate(request([5, 6, 7], 20), timeout=30))
+        assert len(ids) == 20
+    finally:
+        await mesh.stop()
+
+
+def _open_calls(stage) -> int:
+    return stage.sessions.open_attempts
+
+
+async def test_session_faults_move_the_stream_without_marking_the_chain_down(tiny_model, hf_models, monkeypatch):
+    """NOT_FOUND, ALREADY_EXISTS, FAILED_PRECONDITION or CANCELLED from a stage is this session's
+    trouble: the stream is replayed elsewhere (exact), and the chain stays usable."""
+    mesh = await start_mesh(tiny_model, [splits(4, 4), splits(4, 4)])
+    try:
+        ids = prompt(10, seed=5)
+        expected = hf_greedy(hf_models["llama"], ids, 12)
+        stub = mesh.router_stub
+        real_open = mesh.stages[0][1].sessions.open
+        failed = []
+
+        def open_once_lost(session_id, *args):
+            if not failed:
+                failed.append(session_id)
+                raise UnknownSession("lost")
+            return real_open(session_id, *args)
+
+        mesh.router.chains.chains[1].healthy = False  # start on chain 0, whose stage 1 loses the session
+        monkeypatch.setattr(mesh.stages[0][1].sessions, "open", open_once_lost)
+        got, _, _ = await collect(stub.Generate(request(ids, 12), timeout=60))
+        assert failed and got == expected
+        assert mesh.router.chains.chains[0].healthy
+    finally:
+        await mesh.stop()
+
+
+@pytest.mark.parametrize("request_id", ["line\nbreak", "caf\u00e9", "x" * 16384, "has space"])
+async def test_a_bad_request_id_is_refused_at_once_by_name(tiny_model, request_id):
+    mesh = await start_mesh(tiny_model, [splits(8)])
+    try:
+        stub = mesh.router_stub
+        t0 = time.monotonic()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await collect(stub.Generate(request([5, 6], 3, request_id=request_id), timeout=30))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in err.value.details()
+        assert time.monotonic() - t0 < 10
+        batch = router_pb2.GenerateBatchRequest(requests=[request([5, 6], 3, request_id=request_id),
+                                                          request([5, 6], 3, request_id="fine-1")])
+        entries = [item async for item in stub.GenerateBatch(batch, timeout=30)]
+        errors = {e.index: e for e in entries if e.error_code}
+        assert set(errors) == {0} and errors[0].error_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        assert sum(len(e.response.token_ids) for e in entries if e.index == 1) == 3
+    finally:
+        await mesh.stop()
+
+
+async def test_front_door_bounds_on_stop_strings_batch_size_and_prompt_text(tiny_model):
+    mesh = await start_mesh(tiny_model, [splits(8)])
+    try:
+        stub = mesh.router_stub
+        for stop in (["x"] * 17, ["y" * 257], [""]):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await collect(stub.Generate(request([5, 6], 3, stop=stop), timeout=30))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "stop" in err.value.details()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await collect(stub.GenerateBatch(router_pb2.GenerateBatchRequest(
+                requests=[request([5], 1)] * 257), timeout=30))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "requests" in err.value.details()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await collect(stub.Generate(router_pb2.GenerateRequest(prompt="ab" * 100_000, max_new_tokens=1),
+                                        timeout=30))
+        assert err.value.code() == grpc.StatusCode.OUT_OF_RANGE and "characters" in err.value.details()
+    finally:
+        await mesh.stop()
+
+
+async def test_a_router_is_not_serving_until_a_first_check_finds_a_whole_chain(tiny_model):
+    """Its first chain check is slow (the stage's link black-holed): health says NOT_SERVING all along."""
+    mesh = await start_mesh(tiny_model, [splits(8)], router=False)
+    link = LinkProxy(mesh.stages[0][0].address).start()
+    link.set(black_hole=True)
+    try:
+        mesh.router = RouterServer(RouterConfig(model=str(tiny_model), chains=[link.address], port=0,
+                                                health_interval_s=0.2))
+        starting = asyncio.ensure_future(mesh.router.start())
+        statuses = []
+        async with grpc_server.insecure_channel(mesh.router.address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            while not starting.done():
+                try:
+                    statuses.append((await health.Check(health_pb2.HealthCheckRequest(), timeout=1)).status)
+                except grpc.aio.AioRpcError:
+                    pass  # not listening yet
+                await asyncio.sleep(0.05)
+            await starting
+            statuses.append((await health.Check(health_pb2.HealthCheckRequest(), timeout=1)).status)
+        assert statuses and health_pb2.HealthCheckResponse.SERVING not in statuses
+    finally:
+        link.stop()
+        await mesh.stop()
+
+
+async def test_failover_does_not_wait_on_the_dead_chain(tiny_model, hf_models):
+    """The chain's stage is black-holed: the stream moves on after the progress timeout, without a
+    further wait for CloseSession calls to the dead stage."""
+    mesh = await start_mesh(tiny_model, [splits(8), splits(8)], router=False)
+    link = LinkProxy(mesh.stages[0][0].address).start()
+    try:
+        stub = await router_over(mesh, tiny_model, [link.address, mesh.stages[1][0].address], step_timeout_s=1.0)
+        ids = prompt(8, seed=8)
+        mesh.router.chains.chains[1].healthy = False
+        got, gaps, last = [], [], time.monotonic()
+        async for r in stub.Generate(request(ids, 10), timeout=60):
+            got.extend(r.token_ids)
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+            if len(got) == 3:
+                mesh.router.chains.chains[1].healthy = True
+                link.set(black_hole=True)
+        assert got == hf_greedy(hf_models["llama"], ids, 10)
+        assert max(gaps[3:]) < 1.0 + 1.5  # the progress timeout, and not 2 s more per CloseSession
+    finally:
+        link.stop()
+        await mesh.stop()
+
+
+async def test_stage_info_reports_its_progress_inputs(tiny_model):
+    mesh = await start_mesh(tiny_model, [splits(8)])
+    try:
+        await collect(mesh.router_stub.Generate(request([5, 6, 7], 5), timeout=30))
+        info = await mesh.stage_stub(0, 0).Info(stage_pb2.InfoRequest())
+        assert info.step_ms > 0
+    finally:
+        await mesh.stop()
