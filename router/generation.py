@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -13,6 +13,8 @@ from router.chain_client import ChainSession
 from router.chains import ChainSet, NoUsableChain
 from router.detokenizer import IncrementalText
 from stagemesh import metrics
+from stagemesh.config_flags import refused
+from stagemesh.tensor_codec import WIRE_DTYPES
 from stagemesh.v1 import stage_pb2
 
 log = logging.getLogger("stagemesh.router")
@@ -51,11 +53,20 @@ class Piece:
 @dataclass
 class GenerationConfig:
     prefill_chunk: int = 256
-    """Prompt tokens per pipelined prefill chunk (0: the whole prompt at once)."""
+    """Prompt tokens per pipelined prefill chunk (0: the whole prompt at once); at most the stages'
+    --max-batch-tokens, or each chunk runs alone and holds other sessions' decoding back."""
     max_failovers: int = 3
-    """How many times one request may move to another chain."""
-    wire_dtype: str = ""
+    """How many times one request may move to another chain when a stage fails (0: never)."""
+    wire_dtype: str = field(default="", metadata={"choices": ("", *WIRE_DTYPES)})
     """Hidden states between stages: "" (each stage's own dtype), float32, bfloat16, float16 or int8."""
+
+    def __post_init__(self) -> None:
+        if self.wire_dtype and self.wire_dtype not in WIRE_DTYPES:
+            raise ValueError(f"--wire-dtype {self.wire_dtype!r}: use one of {', '.join(WIRE_DTYPES)}")
+        if not self.prefill_chunk >= 0:
+            raise refused(self, "prefill_chunk", "must be >= 0 tokens (0: no chunking)")
+        if not self.max_failovers >= 0:
+            raise refused(self, "max_failovers", "must be >= 0 (0: a request fails with its first chain)")
 
 
 async def generate(

@@ -89,7 +89,7 @@ async def start_mesh(model: Path, chains: list[list[tuple[int, int]]], *, router
         mesh.stages.append(servers)
     if router:
         specs = [",".join(s.address for s in servers) for servers in mesh.stages]
-        mesh.router = RouterServer(RouterConfig(model=str(model), chains=specs, health_interval_s=0.2,
+        mesh.router = RouterServer(RouterConfig(model=str(model), chains=specs, port=0, health_interval_s=0.2,
                                                 **(router_options or {})))
         await mesh.router.start()
     return mesh
