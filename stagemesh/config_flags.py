@@ -84,7 +84,7 @@ def _dict_of_dataclass(hint: Any) -> type | None:
     return None
 
 
-def _user_type(parse: Callable[[str], Any], flag: str) -> Callable[[str], Any]:
+def _user_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
     """The field's own parser, its ValueError shown to the user as argparse shows a bad value."""
 
     def parse_flag(text: str) -> Any:
@@ -93,7 +93,6 @@ def _user_type(parse: Callable[[str], Any], flag: str) -> Callable[[str], Any]:
         except ValueError as exc:
             raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
 
-    parse_flag.__name__ = flag
     return parse_flag
 
 
@@ -108,7 +107,7 @@ def _argparse_kwargs(f: dataclasses.Field, hint: Any, default: Any, flag: str, d
         kwargs["action"] = argparse.BooleanOptionalAction if default else "store_true"
         return kwargs
     if TYPE in f.metadata:
-        kwargs["type"] = _user_type(f.metadata[TYPE], flag)
+        kwargs["type"] = _user_type(f.metadata[TYPE])
     elif typing.get_origin(hint) is typing.Literal:
         kwargs["choices"] = typing.get_args(hint)
         kwargs["type"] = type(kwargs["choices"][0])
@@ -159,8 +158,8 @@ def knobs(cls: type) -> tuple[Knob, ...]:
     """Every flag of config class `cls`, nested configs flattened, in field order."""
     found = _walk(cls)
     flags = [k.flag for k in found]
-    if len(set(flags)) != len(flags):
-        raise TypeError(f"{cls.__name__}: two fields have the same flag: {sorted(flags)}")
+    if twice := sorted({f for f in flags if flags.count(f) > 1}):
+        raise TypeError(f"{cls.__name__}: fields of different configs have the same flag: {twice}")
     return tuple(found)
 
 
@@ -178,10 +177,11 @@ def from_args(cls: type, args: argparse.Namespace) -> Any:
         value = getattr(args, knob.dest)
         if value is None and knob.kwargs.get("action") == "append":
             continue
-        spread = value if len(knob.paths) > 1 else (value,)
-        if value is None:
-            spread = (None,) * len(knob.paths)
-        for path, item in zip(knob.paths, spread, strict=True):
+        if len(knob.paths) == 1:
+            items = (value,)
+        else:  # a flag that sets several fields: its parser gave a value for each
+            items = (None,) * len(knob.paths) if value is None else value
+        for path, item in zip(knob.paths, items, strict=True):
             tree = values
             for name in path[:-1]:
                 tree = tree.setdefault(name, {})
@@ -189,19 +189,21 @@ def from_args(cls: type, args: argparse.Namespace) -> Any:
     return _build(cls, values)
 
 
-def _build(cls: type, values: dict) -> Any:
+def _build(cls: type, values: dict, defaults: Any = None) -> Any:
+    """`cls` from the flags' values; a nested config starts from its parent's default for it (`defaults`)."""
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for f in dataclasses.fields(cls):
         if f.name not in values:
             continue
+        default = _default(f) if defaults is None else getattr(defaults, f.name)
         if dataclasses.is_dataclass(hints[f.name]):
-            kwargs[f.name] = _build(hints[f.name], values[f.name])
+            kwargs[f.name] = _build(hints[f.name], values[f.name], default)
         elif value_cls := _dict_of_dataclass(hints[f.name]):
-            kwargs[f.name] = {key: _build(value_cls, sub) for key, sub in values[f.name].items()}
+            kwargs[f.name] = {key: _build(value_cls, sub, default.get(key)) for key, sub in values[f.name].items()}
         else:
             kwargs[f.name] = values[f.name]
-    return cls(**kwargs)
+    return cls(**kwargs) if defaults is None else dataclasses.replace(defaults, **kwargs)
 
 
 def flag_of(cls: type, *path: str) -> str:

@@ -131,6 +131,31 @@ def test_flag_defaults_are_the_dataclass_defaults(command):
             assert action.default == field_default, f"stagemesh {command} {flag}"
 
 
+BEFORE = {
+    "stage": {"--model": None, "--layers": None, "--registry": None, "--model-name": "", "--memory-gb": None,
+              "--speed": 1.0, "--host": "127.0.0.1", "--port": 0, "--device": "auto", "--dtype": "float32",
+              "--kv-cache-gb": None, "--session-timeout": 300.0, "--batch-window-ms": 0.0,
+              "--max-batch-tokens": 2048, "--threads": None, "--preload": False, "--quantize": "none"},
+    "router": {"--model": None, "--chain": None, "--registry": None, "--model-name": "", "--slots-per-chain": 32,
+               "--aging": 10.0, "--wire-dtype": "", "--metrics-port": None, "--host": "127.0.0.1", "--port": 50051,
+               "--prefill-chunk": 256},
+    "registry": {"--host": "127.0.0.1", "--port": 50050},
+    "scheduler": {"--model": None, "--registry": "local", "--host": "127.0.0.1", "--registry-port": 50050,
+                  "--model-name": "", "--dtype": "float32", "--quantize": "none", "--lock-ttl": 3.0,
+                  "--kv-headroom": 0.2},
+    "plan": {"--model": None, "--registry": "local://127.0.0.1:50050", "--model-name": ""},
+    "up": {"--model": None, "--stages": 2, "--replicas": 1, "--port": 50051, "--dtype": "float32",
+           "--quantize": "none", "--registry": "local"},
+}
+"""The flags (and defaults) the hand-written CLI had: README, scripts and tests use them."""
+
+
+@pytest.mark.parametrize("command", sorted(BEFORE))
+def test_the_flags_written_by_hand_before_keep_their_names_and_defaults(command):
+    written = flags(subparsers(cli.build_parser())[command])
+    assert {flag: written[flag].default for flag in BEFORE[command] if flag in written} == BEFORE[command]
+
+
 def test_flags_reach_nested_and_new_knobs():
     stage = build("stage", "--layers", "2:", "--inline-max-ms", "2", "--max-batch-tokens", "64",
                   "--batch-window-ms", "1.5", "--preload", "--session-timeout", "9")
