@@ -193,17 +193,18 @@ class ChainSession:
         if self._opened:
             # Belt and braces for a stage that missed the stream's end; never waited on, so a
             # failover does not wait for the dead.
-            _background(self._close_sessions(list(self._opened)))
+            # The stubs as they are now: a channel closed meanwhile (a withdrawn chain) is not reopened.
+            _background(self._close_sessions([s.stub for s in self._opened]))
         self._opened.clear()
 
-    async def _close_sessions(self, stages: list[StageEndpoint]) -> None:
+    async def _close_sessions(self, stubs: list[stage_pb2_grpc.StageStub]) -> None:
         request = stage_pb2.CloseSessionRequest(session_id=self.session_id)
 
-        async def close_one(stage: StageEndpoint) -> None:
-            with contextlib.suppress(grpc.RpcError, asyncio.CancelledError, AttributeError):
-                await stage.stub.CloseSession(request, timeout=CLOSE_TIMEOUT_S)
+        async def close_one(stub: stage_pb2_grpc.StageStub) -> None:
+            with contextlib.suppress(grpc.RpcError, asyncio.CancelledError, RuntimeError):
+                await stub.CloseSession(request, timeout=CLOSE_TIMEOUT_S)
 
-        await asyncio.gather(*(close_one(s) for s in stages))
+        await asyncio.gather(*(close_one(s) for s in stubs))
 
     def _request(self, index: int, start: int, tensor: tensor_pb2.Tensor, sampling: stage_pb2.SamplingParams,
                  is_last_chunk: bool, return_logits: bool) -> stage_pb2.ForwardRequest:

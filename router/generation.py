@@ -7,7 +7,7 @@ import asyncio
 import logging
 import random
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -15,7 +15,9 @@ from router.chain_client import ChainSession, Progress, Sampling
 from router.chains import ChainSet, NoUsableChain
 from router.detokenizer import IncrementalText
 from stagemesh import metrics
+from stagemesh.config_flags import refused
 from stagemesh.errors import StatusError
+from stagemesh.tensor_codec import WIRE_DTYPES
 
 log = logging.getLogger("stagemesh.router")
 
@@ -66,10 +68,11 @@ class Piece:
 @dataclass
 class GenerationConfig:
     prefill_chunk: int = 256
-    """Prompt tokens per pipelined prefill chunk (0: the whole prompt at once)."""
+    """Prompt tokens per pipelined prefill chunk (0: the whole prompt at once); at most the stages'
+    --max-batch-tokens, or each chunk runs alone and holds other sessions' decoding back."""
     max_failovers: int = 3
-    """How many times one request may move to another chain."""
-    wire_dtype: str = ""
+    """How many times one request may move to another chain when a stage fails (0: never)."""
+    wire_dtype: str = field(default="", metadata={"choices": ("", *WIRE_DTYPES)})
     """Hidden states between stages: "" (each stage's own dtype), float32, bfloat16, float16 or int8."""
     step_timeout_s: float = 10.0
     """A stage that answers no step in this long (plus a margin scaled by its reported step time) is
@@ -77,6 +80,18 @@ class GenerationConfig:
     max_full_wait_s: float = 30.0
     """When every chain is full, how long a request waits for room (retrying with backoff) before
     RESOURCE_EXHAUSTED; its deadline, if sooner, bounds the wait too."""
+
+    def __post_init__(self) -> None:
+        if self.wire_dtype and self.wire_dtype not in WIRE_DTYPES:
+            raise ValueError(f"--wire-dtype {self.wire_dtype!r}: use one of {', '.join(WIRE_DTYPES)}")
+        if not self.prefill_chunk >= 0:
+            raise refused(self, "prefill_chunk", "must be >= 0 tokens (0: no chunking)")
+        if not self.max_failovers >= 0:
+            raise refused(self, "max_failovers", "must be >= 0 (0: a request fails with its first chain)")
+        if not self.step_timeout_s > 0:
+            raise refused(self, "step_timeout_s", "must be > 0 seconds (the floor of the per-step progress timeout)")
+        if not self.max_full_wait_s >= 0:
+            raise refused(self, "max_full_wait_s", "must be >= 0 seconds (0: refuse at once when every chain is full)")
 
 
 async def generate(

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from stagemesh import metrics
+from stagemesh.config_flags import refused
 from stagemesh.errors import StatusError
 
 CLASSES = ("batch", "normal", "high")  # index = rank: higher goes first
@@ -27,17 +28,19 @@ def priority_class(priority: int) -> str:
 
 @dataclass
 class ClassLimits:
+    """One priority class's queue; AdmissionConfig checks its bounds (it knows the class's flags)."""
+
     max_waiting: int = 1000
-    """Requests of this class that may wait at once; the next one is refused."""
+    """Requests of this class that may wait at once; the next one is refused (0: none waits)."""
     max_wait_s: float = 60.0
-    """How long one may wait for a slot before it is refused."""
+    """Seconds one may wait for a slot before it is refused."""
 
 
 @dataclass
 class AdmissionConfig:
     slots_per_chain: int = 32
     """Streams that may run at once on one chain; the router's capacity is this times its usable chains."""
-    aging_s: float = 10.0
+    aging_s: float = field(default=10.0, metadata={"flag": "--aging"})
     """Seconds of waiting worth one class of urgency."""
     limits: dict[str, ClassLimits] = field(
         default_factory=lambda: {
@@ -46,6 +49,20 @@ class AdmissionConfig:
             "batch": ClassLimits(max_waiting=10000, max_wait_s=600.0),
         }
     )
+    """Each priority class's queue (flags --high-max-waiting, --normal-max-wait-s, ...)."""
+
+    def __post_init__(self) -> None:
+        if not self.slots_per_chain >= 1:
+            raise refused(self, "slots_per_chain", "must be >= 1 stream per chain")
+        if not self.aging_s > 0:
+            raise refused(self, "aging_s", "must be > 0 seconds of waiting per class of urgency")
+        if sorted(self.limits) != sorted(CLASSES):
+            raise ValueError(f"admission limits for {sorted(self.limits)}: give one for each of {', '.join(CLASSES)}")
+        for cls in CLASSES:
+            if not self.limits[cls].max_waiting >= 0:
+                raise refused(self, f"limits.{cls}.max_waiting", "must be >= 0 requests (0: none waits)")
+            if not self.limits[cls].max_wait_s > 0:
+                raise refused(self, f"limits.{cls}.max_wait_s", "must be > 0 seconds")
 
 
 class AdmissionRefused(StatusError):

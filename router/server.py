@@ -13,10 +13,10 @@ from router.generation import GenerationConfig
 from router.priority_queue import AdmissionConfig, PriorityAdmission
 from router.router_service import RouterService
 from stagemesh import grpc_server, metrics
+from stagemesh.config_flags import PORT_RULE, refused
 from stagemesh.discovery.backends import open_registry
 from stagemesh.errors import StatusInterceptor
 from stagemesh.signals import until_signalled
-from stagemesh.tensor_codec import WIRE_DTYPES
 from stagemesh.v1 import router_pb2, router_pb2_grpc
 
 log = logging.getLogger("stagemesh.router")
@@ -27,29 +27,37 @@ SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
 class RouterConfig:
     model: str
     """Local Hugging Face checkpoint directory: the router reads its tokenizer and config."""
-    chains: list[str] = field(default_factory=list)
-    """Each 'HOST:PORT,HOST:PORT,...' in pipeline order."""
+    chains: list[str] = field(default_factory=list, metadata={"flag": "--chain"})
+    """HOST:PORT,HOST:PORT,... one chain's stages in pipeline order; repeat for more chains."""
     host: str = "127.0.0.1"
-    port: int = 0
-    prefill_chunk: int = 256
-    wire_dtype: str = ""
-    """Hidden states between stages: "" (each stage's own dtype), float32, bfloat16, float16 or int8."""
+    """The address to serve on."""
+    port: int = 50051
+    """The port callers reach the router on (0 picks a free port)."""
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
     health_interval_s: float = 1.0
+    """Seconds between health checks of every chain's stages."""
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     registry: str | None = None
-    """Follow the chains the scheduler publishes there instead of --chain."""
+    """Follow the chains the scheduler publishes there (local://HOST:PORT or consul://HOST:PORT) instead of --chain."""
     model_name: str = ""
     """The model's name in the registry (default: the checkpoint directory's name)."""
     metrics_port: int | None = None
-    """Serve Prometheus metrics on this port."""
+    """Serve Prometheus metrics on this port (default: none)."""
+    drain_timeout_s: float = 30.0
+    """On SIGTERM: NOT_SERVING and no new calls at once, and this long for the streams it carries to
+    finish before the process exits."""
 
     def __post_init__(self) -> None:
-        if self.wire_dtype and self.wire_dtype not in WIRE_DTYPES:
-            raise ValueError(f"--wire-dtype {self.wire_dtype!r}: use one of {', '.join(WIRE_DTYPES)}")
-        if self.prefill_chunk < 0:
-            raise ValueError("--prefill-chunk must be >= 0 (0: no chunking)")
         if bool(self.chains) == bool(self.registry):
             raise ValueError("give either --chain (one or more) or --registry, not both")
+        if not 0 <= self.port <= 65535:
+            raise refused(self, "port", PORT_RULE)
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise refused(self, "metrics_port", "must be 0..65535 (0 or left out: no metrics)")
+        if not self.drain_timeout_s >= 0:
+            raise refused(self, "drain_timeout_s", "must be >= 0 seconds (0: cut open streams at once)")
+        if not self.health_interval_s > 0:
+            raise refused(self, "health_interval_s", "must be > 0 seconds between health checks")
         self.model_name = self.model_name or Path(self.model).name
 
 
@@ -85,7 +93,7 @@ class RouterServer:
         self.admission = PriorityAdmission(config.admission, lambda: len(self.chains.usable()))
         self.service = RouterService(
             self.chains, tokenizer, model_config, eos_token_ids(config.model, tokenizer, model_config),
-            GenerationConfig(prefill_chunk=config.prefill_chunk, wire_dtype=config.wire_dtype),
+            config.generation,
             Path(config.model).name, self.admission,
         )
         router_pb2_grpc.add_RouterServicer_to_server(self.service, self.server)
@@ -132,4 +140,4 @@ async def serve(config: RouterConfig) -> None:
     await server.start()
     print(f"router ready on {server.address}", flush=True)
     await until_signalled()
-    await server.stop()
+    await server.stop(config.drain_timeout_s)  # drain: the streams it carries finish

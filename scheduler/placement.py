@@ -9,9 +9,10 @@ which sets the chain's throughput, is as fast as it can be.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from stagemesh.checkpoint import ModelFootprint
+from stagemesh.config_flags import refused
 
 
 def _gib(n: float) -> str:
@@ -28,10 +29,25 @@ class Host:
 
 @dataclass(frozen=True)
 class PlacementConfig:
-    kv_headroom_fraction: float = 0.2  # share of each host's memory kept for the KV cache
-    max_stages: int = 8  # longest chain allowed: every hop adds latency
-    min_kv_tokens: int = 0  # KV positions each held layer must also fit, on top of the headroom share
-    head_cost_layers: float = 1.0  # time of final norm + LM head, in decoder layers
+    kv_headroom_fraction: float = field(default=0.2, metadata={"flag": "--kv-headroom"})
+    """Share of each host's memory kept for the KV cache (0..1)."""
+    max_stages: int = 8
+    """Longest chain allowed: every hop adds latency."""
+    min_kv_tokens: int = 0
+    """KV positions each held layer must also fit, on top of the headroom share."""
+    head_cost_layers: float = 1.0
+    """Time of the final norm and LM head, in decoder layers (the last stage gets fewer layers for it)."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.kv_headroom_fraction < 1:
+            raise refused(self, "kv_headroom_fraction", "must be >= 0 and < 1 (a share of each host's memory; "
+                                                        "1 would leave none for weights)")
+        if not self.max_stages >= 1:
+            raise refused(self, "max_stages", "must be >= 1 stage per chain")
+        if not self.min_kv_tokens >= 0:
+            raise refused(self, "min_kv_tokens", "must be >= 0 KV positions")
+        if not self.head_cost_layers >= 0:
+            raise refused(self, "head_cost_layers", "must be >= 0 decoder layers' time")
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,11 @@ import math
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import get_args
 
 from scheduler import placement
-from stagemesh.checkpoint import ModelFootprint
+from stagemesh.checkpoint import QUANTIZE, ModelFootprint, Quantization, ServingDtype
+from stagemesh.config_flags import NOT_A_FLAG, PORT_RULE, refused
 from stagemesh.discovery.chain_table import PublishedChain, PublishedStage, encode_chains
 from stagemesh.discovery.registry import (
     Registry,
@@ -35,19 +37,32 @@ class SchedulerConfig:
     """Local checkpoint directory: the scheduler reads its config and tensor sizes (not its weights)."""
     model_name: str = ""
     """The model's name in the registry (default: the directory's name); stages and routers use the same."""
-    dtype: str = "float32"
+    dtype: ServingDtype = "float32"
     """The dtype the stages serve in, for sizing."""
-    quantize: str = "none"
+    quantize: Quantization = "none"
     """The stages' --quantize, for sizing: int8 Linear weights let each host hold more layers."""
-    lock_ttl_s: float = 3.0
-    """A scheduler that stops renewing the leader lock loses it after this long; a standby takes over."""
+    lock_ttl_s: float = field(default=3.0, metadata={"flag": "--lock-ttl"})
+    """Seconds before a standby scheduler takes over from a leader that stopped renewing its lock."""
     placement: placement.PlacementConfig = field(default_factory=placement.PlacementConfig)
-    scheduler_id: str = field(default_factory=lambda: f"scheduler-{uuid.uuid4().hex[:8]}")
+    registry: str = "local"
+    """'local' hosts the embedded registry in this process; or local://HOST:PORT, consul://HOST:PORT."""
+    host: str = "127.0.0.1"
+    """The address the hosted registry serves on (with --registry local)."""
+    registry_port: int = 50050
+    """The hosted registry's port (with --registry local; 0 picks a free port)."""
+    scheduler_id: str = field(default_factory=lambda: f"scheduler-{uuid.uuid4().hex[:8]}", metadata=NOT_A_FLAG)
+    """Names the leader lock's holder: fresh in each process, since two schedulers sharing one would both lead."""
 
     def __post_init__(self) -> None:
         self.model_name = self.model_name or Path(self.model).name
-        if self.lock_ttl_s <= 0:
-            raise ValueError("lock_ttl_s must be positive")
+        if self.dtype not in get_args(ServingDtype):
+            raise ValueError(f"--dtype {self.dtype!r}: use one of {', '.join(get_args(ServingDtype))}")
+        if self.quantize not in QUANTIZE:
+            raise ValueError(f"--quantize {self.quantize!r}: use one of {', '.join(QUANTIZE)}")
+        if not self.lock_ttl_s > 0:
+            raise refused(self, "lock_ttl_s", "must be > 0 seconds (a standby takes over after it)")
+        if not 0 <= self.registry_port <= 65535:
+            raise refused(self, "registry_port", PORT_RULE)
 
 
 def host_of(status: ServiceStatus, num_layers: int) -> placement.Host:

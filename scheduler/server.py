@@ -4,12 +4,29 @@ asked to) and `stagemesh plan`."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
+from pathlib import Path
 
 from scheduler.scheduler import Scheduler, SchedulerConfig
 from stagemesh.discovery.backends import open_registry
 from stagemesh.discovery.chain_table import decode_chains
 from stagemesh.discovery.registry import chains_key, plan_key
 from stagemesh.signals import until_signalled
+
+
+@dataclass
+class PlanConfig:
+    """`stagemesh plan`: which registry to read the published plan from, for which model."""
+
+    model: str
+    """Local checkpoint directory (its name is the model's name by default)."""
+    registry: str = "local://127.0.0.1:50050"
+    """The registry the scheduler publishes to (local://HOST:PORT or consul://HOST:PORT)."""
+    model_name: str = ""
+    """The model's name in the registry (default: the checkpoint directory's name)."""
+
+    def __post_init__(self) -> None:
+        self.model_name = self.model_name or Path(self.model).name
 
 
 async def serve_scheduler(config: SchedulerConfig, registry_url: str) -> None:

@@ -28,6 +28,7 @@ import torch
 from stage_server.model import StageModel, StepSlice
 from stage_server.sampling import Sampling, sample
 from stage_server.sessions import Session, UnknownSession
+from stagemesh.config_flags import refused
 
 AGED_AFTER_PASSES = 2
 """A step left out of this many passes runs in the next one, first (alone if it is over the budget)."""
@@ -69,12 +70,21 @@ class StepResult:
 
 @dataclass
 class BatcherConfig:
-    window_s: float = 0.0
-    """How long to wait for more steps after the first arrives (0: take what is queued)."""
+    batch_window_ms: float = 0.0
+    """Wait this long for more steps after the first arrives, to batch them together (0: take what is queued)."""
     max_batch_tokens: int = 2048
-    """Token budget of one pass; one step larger than it still runs, alone."""
+    """Token budget of one forward pass; one step larger than it still runs, alone."""
     inline_max_ms: float = 5.0
-    """A lone decode step runs on the event loop while the last decode pass took less than this."""
+    """A lone decode step runs on the event loop while the last decode pass took less than this (0: never);
+    above it the hop to the compute thread costs less than holding the loop."""
+
+    def __post_init__(self) -> None:
+        if not self.batch_window_ms >= 0:
+            raise refused(self, "batch_window_ms", "must be >= 0 milliseconds (0: no waiting, take what is queued)")
+        if not self.max_batch_tokens >= 1:
+            raise refused(self, "max_batch_tokens", "must be >= 1 token (a pass of 2048 is ordinary)")
+        if not self.inline_max_ms >= 0:
+            raise refused(self, "inline_max_ms", "must be >= 0 milliseconds (0: every pass on the compute thread)")
 
 
 class StepBatcher:
@@ -154,8 +164,8 @@ class StepBatcher:
         loop = asyncio.get_running_loop()
         while True:
             await self.wakeup.wait()
-            if self.config.window_s > 0:
-                await asyncio.sleep(self.config.window_s)
+            if self.config.batch_window_ms > 0:
+                await asyncio.sleep(self.config.batch_window_ms / 1000)
             self.wakeup.clear()
             while self.queue:
                 batch = [r for r in self._take_batch() if not r.future.done()]

@@ -27,6 +27,8 @@ async def serve(config: StageConfig) -> None:
         await registration.start()
     print(f"stage ready on {server.address}", flush=True)
     await until_signalled()
+    # Drain: out of the registry (the scheduler withdraws its chains), NOT_SERVING, no new calls;
+    # the sessions it holds finish, up to the drain timeout.
     if registration:
         await registration.stop()
-    await server.stop()
+    await server.stop(config.drain_timeout_s)

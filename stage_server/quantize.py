@@ -19,10 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from stagemesh.checkpoint import QUANTIZE
+
 if TYPE_CHECKING:
     from stage_server.model import StageModel
-
-QUANTIZATIONS = ("none", "int8", "int8-weight-only")
 
 
 def int8_rows(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,8 +36,8 @@ def int8_rows(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, t
 def loads_int8_weights(how: str, device_type: str, dtype: torch.dtype) -> bool:
     """Whether `how` means Int8WeightLinear here (then load_stage quantizes each weight as it reads it,
     so that the full-precision stage never sits in memory)."""
-    if how not in QUANTIZATIONS:
-        raise ValueError(f"--quantize {how!r}: use one of {', '.join(QUANTIZATIONS)}")
+    if how not in QUANTIZE:
+        raise ValueError(f"--quantize {how!r}: use one of {', '.join(QUANTIZE)}")
     return how == "int8-weight-only" or (how == "int8" and (device_type != "cpu" or dtype != torch.float32))
 
 

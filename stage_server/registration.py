@@ -25,6 +25,14 @@ class RegistrationConfig:
     ttl_s: float = 2.0
     """Missing heartbeats for this long make the stage critical: chains through it are withdrawn."""
 
+    def __post_init__(self) -> None:
+        if not self.budget_bytes > 0:
+            raise ValueError(f"budget_bytes {self.budget_bytes}: must be > 0 (the stage's --memory-gb)")
+        if not self.speed > 0:
+            raise ValueError(f"speed {self.speed}: must be > 0 (the stage's --speed)")
+        if not self.ttl_s > 0:
+            raise ValueError(f"ttl_s {self.ttl_s}: must be > 0 seconds")
+
 
 class Registration:
     def __init__(self, server: StageServer, registry: Registry, config: RegistrationConfig, fixed: bool):

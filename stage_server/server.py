@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -22,7 +22,8 @@ from stage_server.quantize import loads_int8_weights, quantize
 from stage_server.sessions import SessionTable
 from stage_server.stage_service import ERROR_CODES, StageService
 from stagemesh import grpc_server
-from stagemesh.checkpoint import read_config
+from stagemesh.checkpoint import QUANTIZE, Quantization, ServingDtype, read_config
+from stagemesh.config_flags import PORT_RULE, refused
 from stagemesh.errors import StatusError, StatusInterceptor
 from stagemesh.v1 import stage_pb2, stage_pb2_grpc
 
@@ -31,53 +32,91 @@ SERVICE_NAME = stage_pb2.DESCRIPTOR.services_by_name["Stage"].full_name
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def parse_layers(spec: str) -> tuple[int, int | None]:
+    """--layers A:B -> (A, B); "A:" runs through the last layer."""
+    try:
+        a, b = spec.split(":")
+        return int(a), (int(b) if b else None)
+    except ValueError:
+        raise ValueError("use A:B (layers A..B-1), e.g. 0:4") from None
+
+
 @dataclass
 class StageConfig:
     model: str
     """Local Hugging Face checkpoint directory (config.json + safetensors)."""
-    layer_start: int | None = None
-    """None: wait for the scheduler to assign a range (needs a registry)."""
-    layer_end: int | None = None
+    layer_start: int | None = field(default=None, metadata={"flag": "--layers", "type": parse_layers,
+                                                            "metavar": "A:B"})
+    """A:B serves decoder layers A..B-1 (default: the scheduler assigns a range; needs --registry)."""
+    layer_end: int | None = field(default=None, metadata={"flag": "--layers"})
     """None: through the last layer."""
     host: str = "127.0.0.1"
+    """The address to serve on."""
     port: int = 0
     """0 picks a free port."""
     device: str = "auto"
-    """auto, cpu or cuda."""
-    dtype: str = "float32"
+    """auto, cpu or cuda (cuda:N for one of several)."""
+    dtype: ServingDtype = "float32"
+    """The dtype the weights and the KV cache are held in."""
     kv_cache_gb: float | None = None
-    """KV pool size; None takes a quarter of the memory available at start."""
-    session_timeout_s: float = 300.0
-    """A session not stepped for this long is closed and its cache freed."""
-    batch_window_ms: float = 0.0
-    max_batch_tokens: int = 2048
+    """KV cache pool size (default: a quarter of the memory available at start)."""
+    session_timeout_s: float = field(default=300.0, metadata={"flag": "--session-timeout"})
+    """Seconds after which an idle session is closed and its cache freed."""
+    stall_timeout_s: float = 30.0
+    """Health turns NOT_SERVING while steps wait and no pass has finished for this long (a stuck
+    compute thread), so that routers stop sending it work; it turns back when passes finish again."""
+    drain_timeout_s: float = 30.0
+    """On SIGTERM: out of the registry and NOT_SERVING at once, no new sessions, and this long for
+    the sessions it holds to finish before the process exits (those left are cut: routers replay them)."""
+    batcher: BatcherConfig = field(default_factory=BatcherConfig)
     threads: int | None = None
-    """torch intra-op threads; None leaves torch's default."""
+    """torch intra-op threads (default: torch's choice)."""
     registry: str | None = None
-    """local://HOST:PORT or consul://HOST:PORT: announce this stage there (needed without layers)."""
+    """local://HOST:PORT or consul://HOST:PORT: announce this stage there (needed without --layers)."""
     model_name: str = ""
     """The model's name in the registry (default: the checkpoint directory's name)."""
     memory_gb: float | None = None
     """Memory budget announced to the scheduler (default: the memory available at start)."""
     speed: float = 1.0
-    """Relative speed announced to the scheduler."""
-    quantize: str = "none"
-    """none, int8 or int8-weight-only (stage_server/quantize.py: which path runs where)."""
+    """Relative speed announced to the scheduler: a host half as fast says 0.5 and gets fewer layers."""
+    quantize: Quantization = "none"
+    """int8: Linear weights in int8 (int8 kernels on CPU float32, weight-only elsewhere); int8-weight-only:
+    the portable path on any device (stage_server/quantize.py; the README gives the accuracy cost)."""
     preload: bool = False
-    """Read every weight page at load, so that no request pays for a cold page (tensors used as
-    stored are otherwise views of the memory-mapped safetensors file, read on first use)."""
+    """Read every weight page at start, so that no request pays for a cold page (tensors used as stored
+    are otherwise views of the memory-mapped safetensors file, read on first use); Stage/Info reports
+    the load time as cold start."""
 
     def __post_init__(self) -> None:
         if self.dtype not in TORCH_DTYPES:
             raise ValueError(f"--dtype {self.dtype!r}: use one of {', '.join(TORCH_DTYPES)}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"--device {self.device!r}: use auto, cpu or cuda")
-        if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:
-            raise ValueError("--kv-cache-gb must be positive")
-        if self.session_timeout_s <= 0:
-            raise ValueError("--session-timeout must be positive")
+        if self.quantize not in QUANTIZE:
+            raise ValueError(f"--quantize {self.quantize!r}: use one of {', '.join(QUANTIZE)}")
+        if self.layer_start is not None and not (
+                self.layer_start >= 0 and (self.layer_end is None or self.layer_end > self.layer_start)):
+            raise ValueError(f"--layers {self.layer_start}:{self.layer_end}: use A:B with 0 <= A < B "
+                             "(layers A..B-1), e.g. 0:4")
         if self.layer_start is None and not self.registry:
             raise ValueError("give --layers A:B, or --registry so that the scheduler assigns a range")
+        if not 0 <= self.port <= 65535:
+            raise refused(self, "port", PORT_RULE)
+        if self.kv_cache_gb is not None and not self.kv_cache_gb > 0:
+            raise refused(self, "kv_cache_gb", "must be > 0 GiB (leave it out for a quarter of the available memory)")
+        if not self.session_timeout_s > 0:
+            raise refused(self, "session_timeout_s", "must be > 0 seconds (how long an idle session keeps its cache)")
+        if not self.stall_timeout_s > 0:
+            raise refused(self, "stall_timeout_s", "must be > 0 seconds (longer than the slowest honest pass)")
+        if not self.drain_timeout_s >= 0:
+            raise refused(self, "drain_timeout_s", "must be >= 0 seconds (0: cut open sessions at once)")
+        if self.threads is not None and not self.threads >= 1:
+            raise refused(self, "threads", "must be >= 1 (leave it out for torch's choice)")
+        if self.memory_gb is not None and not self.memory_gb > 0:
+            raise refused(self, "memory_gb", "must be > 0 GiB (leave it out to announce the memory available "
+                                             "at start)")
+        if not self.speed > 0:
+            raise refused(self, "speed", "must be > 0 (a relative speed; 1.0 is an ordinary host)")
         self.model_name = self.model_name or Path(self.model).name
 
 
@@ -143,7 +182,8 @@ class StageServer:
         self.pool: KVPool | None = None
         self.sessions: SessionTable | None = None
         self.batcher: StepBatcher | None = None
-        self._reaper: asyncio.Task | None = None
+        self.stalled = False
+        self._tasks: list[asyncio.Task] = []
 
     @property
     def address(self) -> str:
@@ -179,7 +219,7 @@ class StageServer:
         kv_bytes = int(config.kv_cache_gb * 2**30) if config.kv_cache_gb else default_kv_bytes(model.device)
         self.pool = KVPool(kv_bytes, len(model.layers), args.num_kv_heads, args.head_dim, model.dtype, model.device)
         self.sessions = SessionTable(self.pool, args.max_position)
-        self.batcher = StepBatcher(model, BatcherConfig(config.batch_window_ms / 1000, config.max_batch_tokens))
+        self.batcher = StepBatcher(model, config.batcher)
         self.batcher.start()
         self.model = model
         self.slot.current = StageService(model, self.sessions, self.batcher, config.model_name)
@@ -205,14 +245,16 @@ class StageServer:
         await self.server.start()
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
-        self._reaper = asyncio.get_running_loop().create_task(self._reap_idle())
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._reap_idle()), loop.create_task(self._watch_progress())]
         if model is not None:
             await self.activate(model)
 
     async def stop(self, grace: float | None = 1.0) -> None:
+        """NOT_SERVING at once, no new calls; open streams (sessions) get `grace` seconds to finish."""
         await grpc_server.set_serving(self.health, [SERVICE_NAME], False)
-        if self._reaper:
-            self._reaper.cancel()
+        for task in self._tasks:
+            task.cancel()
         await self.server.stop(grace)
         await self.deactivate()
 
@@ -224,3 +266,21 @@ class StageServer:
                 continue
             for sid in self.sessions.expire_idle(self.config.session_timeout_s):
                 log.info("session expired", extra={"session_id": sid})
+
+    async def _watch_progress(self) -> None:
+        """The watchdog: a stage whose event loop answers health checks while its compute thread is
+        stuck must not look healthy ("healthy but dead")."""
+        limit = self.config.stall_timeout_s
+        while True:
+            await asyncio.sleep(min(1.0, limit / 4))
+            stalled = self.batcher is not None and self.batcher.stalled_for() > limit
+            if stalled == self.stalled or self.model is None:
+                continue
+            self.stalled = stalled
+            if stalled:
+                log.error(f"no forward pass finished in {limit:.0f}s with steps waiting: NOT_SERVING until one does",
+                          extra={"stage": self.address})
+            else:
+                log.info("forward passes finish again: SERVING", extra={"stage": self.address})
+            await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING if stalled
+                                  else health_pb2.HealthCheckResponse.SERVING)

@@ -12,13 +12,17 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal, get_args
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2")
 ITEMSIZE = {"float64": 8, "float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "float8_e4m3fn": 1,
             "int8": 1, "uint8": 1, "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "I8": 1, "U8": 1}
-QUANTIZE = ("none", "int8", "int8-weight-only")
+ServingDtype = Literal["float32", "bfloat16", "float16"]
+"""The dtypes a stage serves in, and the scheduler sizes weights at."""
+Quantization = Literal["none", "int8", "int8-weight-only"]
 """int8: Linear weights in int8 (int8 kernels on CPU float32, weight-only elsewhere); int8-weight-only:
 the portable path on any device. Either way a Linear weight weighs one byte plus a scale per row."""
+QUANTIZE = get_args(Quantization)
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 # Our fused Linears, and the checkpoint's Linears they concatenate (along the output dim, in order).

@@ -13,9 +13,55 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from router.generation import GenerationConfig
+from stage_server.batcher import BatcherConfig
+from stagemesh.checkpoint import Quantization, ServingDtype
+from stagemesh.config_flags import PORT_RULE, refused
 from stagemesh.tiny_model import make_tiny_model
 
 READY = re.compile(r"(stage|router|registry|scheduler) ready (?:on )?(\S+)")
+
+
+@dataclass
+class UpConfig:
+    """`stagemesh up`: a whole mesh on this machine, each process started with the flags below."""
+
+    model: str | None = None
+    """Checkpoint directory (default: make a tiny random one in models/tiny-llama)."""
+    stages: int = 2
+    """Pipeline stages per chain."""
+    replicas: int = 1
+    """Chains."""
+    port: int = 50051
+    """The router's port (0 picks a free port)."""
+    dtype: ServingDtype = "float32"
+    """The stages' dtype (and the scheduler's, for sizing)."""
+    quantize: Quantization = "none"
+    """int8 Linear weights in every stage (and the scheduler sizes them so)."""
+    registry: str = "local"
+    """local (embedded, one machine) or consul://HOST:PORT: a scheduler places the layers."""
+    prefill_chunk: int = GenerationConfig.prefill_chunk
+    """The router's --prefill-chunk: prompt tokens per pipelined chunk (0: the whole prompt at once)."""
+    max_batch_tokens: int = BatcherConfig.max_batch_tokens
+    """The stages' --max-batch-tokens: the token budget of one forward pass."""
+
+    def __post_init__(self) -> None:
+        if not self.stages >= 1:
+            raise refused(self, "stages", "must be >= 1 stage per chain")
+        if not self.replicas >= 1:
+            raise refused(self, "replicas", "must be >= 1 chain")
+        if not 0 <= self.port <= 65535:
+            raise refused(self, "port", PORT_RULE)
+        # The router's and the stages' own bounds, checked here before any process starts.
+        GenerationConfig(prefill_chunk=self.prefill_chunk)
+        BatcherConfig(max_batch_tokens=self.max_batch_tokens)
+        if self.prefill_chunk > self.max_batch_tokens:
+            raise ValueError(
+                f"--prefill-chunk {self.prefill_chunk}: more than --max-batch-tokens {self.max_batch_tokens}, "
+                "the most a stage runs in one pass (a larger chunk runs alone and holds other sessions' "
+                "decoding back); lower --prefill-chunk or raise --max-batch-tokens")
+        # --prefill-chunk 0 (no chunking) is allowed with any budget: it asks for whole prompts on purpose
+        # (a prompt longer than the budget then runs alone), as the benchmarks' unchunked baseline does.
 
 
 def even_split(num_layers: int, stages: int) -> list[tuple[int, int]]:
@@ -87,7 +133,7 @@ def stage_budget_gb(model: str, stages: int, dtype: str, headroom: float = 0.2, 
 
 def start_local_mesh(model: str, *, stages: int, replicas: int = 1, router_port: int = 50051,
                      dtype: str = "float32", quantize: str = "none", threads: int | None = None,
-                     prefill_chunk: int = 256,
+                     prefill_chunk: int = GenerationConfig.prefill_chunk,
                      extra_stage_args: list[str] | None = None, extra_router_args: list[str] | None = None,
                      registry: str | None = None,
                      log_dir: Path | None = None) -> tuple[LocalMesh, Process]:
@@ -155,14 +201,14 @@ def wait_for_chains(router_address: str, count: int, timeout: float = 120.0) -> 
             time.sleep(0.2)
 
 
-def run_up(model: str | None, stages: int, replicas: int, port: int, dtype: str, registry: str,
-           quantize: str = "none") -> None:
-    if model is None:
-        model = str(ensure_tiny_model(Path("models/tiny-llama")))
-    mesh, router = start_local_mesh(model, stages=stages, replicas=replicas, router_port=port, dtype=dtype,
-                                    quantize=quantize, registry=registry)
+def run_up(config: UpConfig) -> None:
+    model = config.model or str(ensure_tiny_model(Path("models/tiny-llama")))
+    mesh, router = start_local_mesh(model, stages=config.stages, replicas=config.replicas, router_port=config.port,
+                                    dtype=config.dtype, quantize=config.quantize, registry=config.registry,
+                                    prefill_chunk=config.prefill_chunk,
+                                    extra_stage_args=["--max-batch-tokens", str(config.max_batch_tokens)])
     try:
-        chains = wait_for_chains(router.address, replicas)
+        chains = wait_for_chains(router.address, config.replicas)
     except BaseException:
         mesh.stop()
         raise

@@ -82,14 +82,14 @@ async def start_mesh(model: Path, chains: list[list[tuple[int, int]]], *, router
     for layout in chains:
         servers = []
         for start, end in layout:
-            server = StageServer(StageConfig(model=str(model), layer_start=start, layer_end=end, kv_cache_gb=1.0,
-                                             **(stage_options or {})))
+            options = {"kv_cache_gb": 1.0, **(stage_options or {})}
+            server = StageServer(StageConfig(model=str(model), layer_start=start, layer_end=end, **options))
             await server.start(server.load(start, end))
             servers.append(server)
         mesh.stages.append(servers)
     if router:
         specs = [",".join(s.address for s in servers) for servers in mesh.stages]
-        mesh.router = RouterServer(RouterConfig(model=str(model), chains=specs, health_interval_s=0.2,
+        mesh.router = RouterServer(RouterConfig(model=str(model), chains=specs, port=0, health_interval_s=0.2,
                                                 **(router_options or {})))
         await mesh.router.start()
     return mesh

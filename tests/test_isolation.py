@@ -41,7 +41,7 @@ async def test_a_step_that_fails_alone_fails_alone_and_the_chain_stays_usable(ti
         return real_sample(logits, params, position)
 
     monkeypatch.setattr(batcher_module, "sample", sample_or_fail)
-    mesh = await start_mesh(tiny_model, [splits(3, 5)], stage_options={"batch_window_ms": 3})
+    mesh = await start_mesh(tiny_model, [splits(3, 5)], stage_options={"batcher": BatcherConfig(batch_window_ms=3)})
     try:
         stub = mesh.router_stub
         prompts = [prompt(5 + 3 * i, seed=700 + i) for i in range(6)]

@@ -51,7 +51,8 @@ class ControlPlane:
         return server
 
     async def add_router(self) -> router_pb2_grpc.RouterStub:
-        self.router = RouterServer(RouterConfig(model=str(self.model), registry=self.url, health_interval_s=0.2))
+        self.router = RouterServer(RouterConfig(model=str(self.model), registry=self.url, port=0,
+                                                health_interval_s=0.2))
         await self.router.start()
         channel = grpc_server.insecure_channel(self.router.address)
         self.closers.append(channel.close)

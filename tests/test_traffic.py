@@ -10,7 +10,9 @@ import time
 import grpc
 import pytest
 
+from router.generation import GenerationConfig
 from router.priority_queue import AdmissionConfig, ClassLimits
+from stage_server.batcher import BatcherConfig
 from stagemesh.v1 import router_pb2, stage_pb2
 from tests.conftest import collect, hf_greedy, splits, start_mesh
 from tests.test_exactness import prompt
@@ -36,7 +38,7 @@ async def assert_all_sessions_closed(mesh, timeout: float = 5.0) -> None:
 
 
 async def test_sixteen_batched_sessions_equal_one_at_a_time(tiny_model, hf_models):
-    mesh = await start_mesh(tiny_model, [splits(3, 5)], stage_options={"batch_window_ms": 2})
+    mesh = await start_mesh(tiny_model, [splits(3, 5)], stage_options={"batcher": BatcherConfig(batch_window_ms=2)})
     try:
         prompts = [prompt(3 + 11 * i, seed=300 + i) for i in range(16)]
         stub = mesh.router_stub
@@ -53,7 +55,8 @@ async def test_sixteen_batched_sessions_equal_one_at_a_time(tiny_model, hf_model
 
 @pytest.mark.parametrize("chunk", [0, 1, 7, 64, 256])
 async def test_chunked_prefill_equals_unchunked(tiny_model, hf_models, chunk):
-    mesh = await start_mesh(tiny_model, [splits(2, 3, 3)], router_options={"prefill_chunk": chunk})
+    mesh = await start_mesh(tiny_model, [splits(2, 3, 3)],
+                            router_options={"generation": GenerationConfig(prefill_chunk=chunk)})
     try:
         ids = prompt(300, seed=9)
         got, _, _ = await collect(mesh.router_stub.Generate(request(ids, 12)))
@@ -63,8 +66,9 @@ async def test_chunked_prefill_equals_unchunked(tiny_model, hf_models, chunk):
 
 
 async def test_long_prefill_does_not_block_short_requests(tiny_model):
-    mesh = await start_mesh(tiny_model, [splits(4, 4)], router_options={"prefill_chunk": 64},
-                            stage_options={"max_batch_tokens": 64})
+    mesh = await start_mesh(tiny_model, [splits(4, 4)],
+                            router_options={"generation": GenerationConfig(prefill_chunk=64)},
+                            stage_options={"batcher": BatcherConfig(max_batch_tokens=64)})
     try:
         stub = mesh.router_stub
         long = asyncio.ensure_future(collect(stub.Generate(request(prompt(1900, seed=1), 4))))

@@ -1,0 +1,19 @@
+"""`stagemesh registry`: where the embedded registry serves on its own."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from stagemesh.config_flags import PORT_RULE, refused
+
+
+@dataclass
+class RegistryConfig:
+    host: str = "127.0.0.1"
+    """The address to serve on."""
+    port: int = 50050
+    """The port stages, routers and schedulers reach it on (local://HOST:PORT); 0 picks a free port."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise refused(self, "port", PORT_RULE)

@@ -1,0 +1,223 @@
+"""Command-line flags made from config dataclasses, and the configs made back from parsed flags, so that a
+knob is written once: its name, default, type and docstring in the dataclass, its bounds in __post_init__.
+
+A field's flag is `--` and its name with dashes (`kv_cache_gb` -> `--kv-cache-gb`); its default is the
+field's (no default: a required flag); its type comes from the annotation: int, float, str; bool is a switch
+(`--preload`); `X | None` parses as X; `list[str]` may be repeated; `Literal[...]` gives the choices. Its
+help is the field's docstring, the string right after it in the class body. A nested dataclass field is
+flattened (its fields are flags too, without a prefix); a `dict[str, Dataclass]` field gives one set of
+flags per key of its default, each flag prefixed with the key (`limits["high"].max_waiting` ->
+`--high-max-waiting`).
+
+Where a field differs, `field(metadata=...)` says how:
+  "flag": the flag's name (`--session-timeout`), or None for a field that is no user knob (no flag);
+  "type": parses the flag's text (a ValueError it raises is the user's error); when several fields of one
+          class share a flag (`--layers A:B` -> layer_start, layer_end), it returns their values in order;
+  "choices", "metavar": as in argparse.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import functools
+import inspect
+import textwrap
+import types
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+FLAG, TYPE, CHOICES, METAVAR = "flag", "type", "choices", "metavar"
+NOT_A_FLAG = types.MappingProxyType({FLAG: None})
+"""metadata of a field that is no user knob: it gets no flag and keeps its default."""
+PORT_RULE = "must be 0..65535 (0 picks a free port)"
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One flag and the config fields it sets (each a path of names and dict keys from the top config)."""
+
+    flag: str
+    paths: tuple[tuple[str, ...], ...]
+    kwargs: dict[str, Any]
+
+    @property
+    def dest(self) -> str:
+        return self.flag.removeprefix("--").replace("-", "_")
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """Each field's docstring (the string literal after it in the class body), whitespace folded."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    return {
+        node.target.id: " ".join(after.value.value.split())
+        for node, after in zip(body, body[1:], strict=False)
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+        and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)
+    }
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return dataclasses.MISSING
+
+
+def _optional(hint: Any) -> Any:
+    """X for `X | None`, else the hint itself."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return hint
+
+
+def _dict_of_dataclass(hint: Any) -> type | None:
+    if typing.get_origin(hint) is dict and dataclasses.is_dataclass(typing.get_args(hint)[1]):
+        return typing.get_args(hint)[1]
+    return None
+
+
+def _user_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """The field's own parser, its ValueError shown to the user as argparse shows a bad value."""
+
+    def parse_flag(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
+
+    return parse_flag
+
+
+def _argparse_kwargs(f: dataclasses.Field, hint: Any, default: Any, flag: str, doc: str) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {"help": doc.replace("%", "%%")}
+    hint = _optional(hint)
+    if default is dataclasses.MISSING:
+        kwargs["required"] = True
+    else:
+        kwargs["default"] = default
+    if hint is bool:
+        kwargs["action"] = argparse.BooleanOptionalAction if default else "store_true"
+        return kwargs
+    if TYPE in f.metadata:
+        kwargs["type"] = _user_type(f.metadata[TYPE])
+    elif typing.get_origin(hint) is typing.Literal:
+        kwargs["choices"] = typing.get_args(hint)
+        kwargs["type"] = type(kwargs["choices"][0])
+    elif typing.get_origin(hint) is list:
+        kwargs["action"] = "append"
+        kwargs["type"] = typing.get_args(hint)[0]
+        kwargs["default"] = None  # argparse appends to a given default; an unset flag keeps the field's
+    elif hint in (int, float, str):
+        kwargs["type"] = hint
+    else:
+        raise TypeError(f"{flag}: no flag for a field of type {hint!r}; give it metadata 'type' or 'flag': None")
+    for key in (CHOICES, METAVAR):
+        if key in f.metadata:
+            kwargs[key] = f.metadata[key]
+    return kwargs
+
+
+def _walk(cls: type, defaults: Any = None, prefix: str = "", path: tuple[str, ...] = ()) -> list[Knob]:
+    """The knobs of `cls`; `defaults` is the parent's default instance of it, if it is nested (a parent
+    may default a nested config to other values than the nested class's own defaults)."""
+    hints = typing.get_type_hints(cls)
+    docs = field_docs(cls)
+    knobs: dict[str, Knob] = {}
+    nested: list[Knob] = []
+    for f in dataclasses.fields(cls):
+        if not f.init or f.metadata.get(FLAG, "") is None:
+            continue
+        hint = hints[f.name]
+        default = _default(f) if defaults is None else getattr(defaults, f.name)
+        if dataclasses.is_dataclass(hint):
+            nested += _walk(hint, default, prefix, (*path, f.name))
+        elif value_cls := _dict_of_dataclass(hint):
+            for key, value in default.items():
+                nested += _walk(value_cls, value, f"{prefix}{key}-", (*path, f.name, key))
+        else:
+            flag = "--" + prefix + f.metadata.get(FLAG, f.name.replace("_", "-")).removeprefix("--")
+            if flag in knobs:  # a flag that sets several fields
+                knobs[flag] = dataclasses.replace(knobs[flag], paths=(*knobs[flag].paths, (*path, f.name)))
+                continue
+            doc = docs.get(f.name, "")
+            kwargs = _argparse_kwargs(f, hint, default, flag, f"{prefix[:-1]}: {doc}" if prefix else doc)
+            knobs[flag] = Knob(flag, ((*path, f.name),), kwargs)
+    return [*knobs.values(), *nested]
+
+
+@functools.cache
+def knobs(cls: type) -> tuple[Knob, ...]:
+    """Every flag of config class `cls`, nested configs flattened, in field order."""
+    found = _walk(cls)
+    flags = [k.flag for k in found]
+    if twice := sorted({f for f in flags if flags.count(f) > 1}):
+        raise TypeError(f"{cls.__name__}: fields of different configs have the same flag: {twice}")
+    return tuple(found)
+
+
+def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
+    """Adds a flag for every user knob of config class `cls` (see the module's docstring)."""
+    for knob in knobs(cls):
+        parser.add_argument(knob.flag, dest=knob.dest, **knob.kwargs)
+
+
+def from_args(cls: type, args: argparse.Namespace) -> Any:
+    """The config the parsed flags describe: `cls` and its nested configs, built bottom-up (so each one's
+    __post_init__ checks its own bounds). Fields without a flag, and unset list flags, keep their defaults."""
+    values: dict = {}
+    for knob in knobs(cls):
+        value = getattr(args, knob.dest)
+        if value is None and knob.kwargs.get("action") == "append":
+            continue
+        if len(knob.paths) == 1:
+            items = (value,)
+        else:  # a flag that sets several fields: its parser gave a value for each
+            items = (None,) * len(knob.paths) if value is None else value
+        for path, item in zip(knob.paths, items, strict=True):
+            tree = values
+            for name in path[:-1]:
+                tree = tree.setdefault(name, {})
+            tree[path[-1]] = item
+    return _build(cls, values)
+
+
+def _build(cls: type, values: dict, defaults: Any = None) -> Any:
+    """`cls` from the flags' values; a nested config starts from its parent's default for it (`defaults`)."""
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in values:
+            continue
+        default = _default(f) if defaults is None else getattr(defaults, f.name)
+        if dataclasses.is_dataclass(hints[f.name]):
+            kwargs[f.name] = _build(hints[f.name], values[f.name], default)
+        elif value_cls := _dict_of_dataclass(hints[f.name]):
+            kwargs[f.name] = {key: _build(value_cls, sub, default.get(key)) for key, sub in values[f.name].items()}
+        else:
+            kwargs[f.name] = values[f.name]
+    return cls(**kwargs) if defaults is None else dataclasses.replace(defaults, **kwargs)
+
+
+def flag_of(cls: type, *path: str) -> str:
+    """The flag that sets the field at `path` of config class `cls` (its name if it has none)."""
+    return next((k.flag for k in knobs(cls) if path in k.paths), ".".join(path))
+
+
+def refused(config: Any, path: str, rule: str) -> ValueError:
+    """The error for a field out of its bounds: its flag, its value and the rule, which says what to change,
+    e.g. "--speed 0: must be > 0 (a relative speed; 1.0 is an ordinary host)". `path` is the field's name,
+    dotted through dict keys and nested configs ("limits.high.max_waiting")."""
+    value = config
+    for name in path.split("."):
+        value = value[name] if isinstance(value, dict) else getattr(value, name)
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)  # as typed: --speed 0
+    return ValueError(f"{flag_of(type(config), *path.split('.'))} {value}: {rule}")

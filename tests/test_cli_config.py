@@ -1,0 +1,249 @@
+"""The CLI's flags are the config dataclasses' fields: none written apart from a field, every user knob
+reachable, the same defaults, and values out of range refused with a message that says what to change."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+
+import pytest
+
+from router.generation import GenerationConfig
+from router.priority_queue import AdmissionConfig, ClassLimits
+from router.server import RouterConfig
+from scheduler.placement import PlacementConfig
+from scheduler.scheduler import SchedulerConfig
+from stage_server.batcher import BatcherConfig
+from stage_server.server import StageConfig
+from stagemesh import cli
+from stagemesh.config_flags import from_args
+from stagemesh.launcher import UpConfig
+
+COMPOSITION_FLAGS = {
+    "--log-level": "on `stagemesh` itself, before the subcommand: every process's logging, set up before its "
+                   "config is built; no service's knob",
+}
+NOT_KNOBS = {
+    "SchedulerConfig.scheduler_id": "the leader lock's holder id, fresh in each process: two schedulers sharing "
+                                    "one would both lead",
+}
+MINIMAL = {
+    "stage": ["--model", "m", "--layers", "0:4"],
+    "router": ["--model", "m", "--chain", "127.0.0.1:1"],
+    "registry": [],
+    "scheduler": ["--model", "m"],
+    "plan": ["--model", "m"],
+    "up": [],
+}
+"""The fewest flags each subcommand builds a valid config from."""
+
+
+def subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(action.choices)
+
+
+def flags(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    """Every option string but --help; a positional argument (not the subcommand) shows up as its dest."""
+    return {s: a for a in parser._actions if not isinstance(a, argparse._HelpAction | argparse._SubParsersAction)
+            for s in a.option_strings or [a.dest]}
+
+
+def field_flags(cls: type, prefix: str = "", path: tuple = ()) -> tuple[dict[str, list[tuple]], set[str]]:
+    """What the fields promise, read here without stagemesh.config_flags: {flag: [field paths]}, and the
+    fields marked as no user knob. A nested config's fields are its own; a dict of configs has one set per key."""
+    found: dict[str, list[tuple]] = {}
+    excluded: set[str] = set()
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        hint, default = hints[f.name], f.default_factory() if callable(f.default_factory) else f.default
+        if "flag" in f.metadata and f.metadata["flag"] is None:
+            excluded.add(f"{cls.__name__}.{f.name}")
+        elif dataclasses.is_dataclass(hint):
+            sub, sub_excluded = field_flags(hint, prefix, (*path, f.name))
+            found.update(sub)
+            excluded |= sub_excluded
+        elif typing.get_origin(hint) is dict:
+            for key in default:
+                sub, sub_excluded = field_flags(typing.get_args(hint)[1], f"{prefix}{key}-", (*path, f.name, key))
+                found.update(sub)
+                excluded |= sub_excluded
+        else:
+            flag = "--" + prefix + f.metadata.get("flag", f.name.replace("_", "-")).removeprefix("--")
+            found.setdefault(flag, []).append((*path, f.name))
+    return found, excluded
+
+
+def at(config, path: tuple):
+    for name in path:
+        config = config[name] if isinstance(config, dict) else getattr(config, name)
+    return config
+
+
+def declared_default(cls: type, path: tuple):
+    """The default the dataclass declares for the field at path (before __post_init__ fills in, e.g.
+    model_name from model); a nested field's default is the one in its parent's default."""
+    f = next(f for f in dataclasses.fields(cls) if f.name == path[0])
+    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+        return dataclasses.MISSING
+    return at(f.default_factory() if callable(f.default_factory) else f.default, path[1:])
+
+
+def build(command: str, *extra: str):
+    args = cli.build_parser().parse_args([command, *MINIMAL[command], *extra])
+    return from_args(cli.COMMANDS[command].config, args)
+
+
+def test_every_flag_is_a_config_field_and_every_knob_has_a_flag():
+    parser = cli.build_parser()
+    assert set(flags(parser)) - {"--help"} == set(COMPOSITION_FLAGS)
+    assert set(subparsers(parser)) == set(cli.COMMANDS)
+    all_excluded = set()
+    for name, sub in subparsers(parser).items():
+        promised, excluded = field_flags(cli.COMMANDS[name].config)
+        all_excluded |= excluded
+        written = set(flags(sub))
+        assert written - set(promised) == set(), f"stagemesh {name}: flags that are no config field"
+        assert set(promised) - written == set(), f"stagemesh {name}: config fields without a flag"
+        for flag, action in flags(sub).items():
+            assert action.help and "%" not in action.help.replace("%%", ""), f"stagemesh {name} {flag}: no help"
+    assert all_excluded == set(NOT_KNOBS)
+
+
+@pytest.mark.parametrize("command", sorted(cli.COMMANDS))
+def test_flag_defaults_are_the_dataclass_defaults(command):
+    parsed = build(command)
+    required = {"model": "m"} if command in ("stage", "router", "scheduler", "plan") else {}
+    extra = {"stage": {"layer_start": 0, "layer_end": 4}, "router": {"chains": ["127.0.0.1:1"]}}.get(command, {})
+    direct = cli.COMMANDS[command].config(**required, **extra)
+    if command == "scheduler":
+        direct = dataclasses.replace(direct, scheduler_id=parsed.scheduler_id)
+    assert parsed == direct
+    promised, _ = field_flags(cli.COMMANDS[command].config)
+    for flag, action in flags(subparsers(cli.build_parser())[command]).items():
+        if flag in MINIMAL[command]:
+            continue
+        field_default = declared_default(cli.COMMANDS[command].config, promised[flag][0])
+        if isinstance(action, argparse._AppendAction):  # argparse would append to a default list
+            assert action.default is None and field_default == [], f"stagemesh {command} {flag}"
+        else:
+            assert action.default == field_default, f"stagemesh {command} {flag}"
+
+
+BEFORE = {
+    "stage": {"--model": None, "--layers": None, "--registry": None, "--model-name": "", "--memory-gb": None,
+              "--speed": 1.0, "--host": "127.0.0.1", "--port": 0, "--device": "auto", "--dtype": "float32",
+              "--kv-cache-gb": None, "--session-timeout": 300.0, "--batch-window-ms": 0.0,
+              "--max-batch-tokens": 2048, "--threads": None, "--preload": False, "--quantize": "none"},
+    "router": {"--model": None, "--chain": None, "--registry": None, "--model-name": "", "--slots-per-chain": 32,
+               "--aging": 10.0, "--wire-dtype": "", "--metrics-port": None, "--host": "127.0.0.1", "--port": 50051,
+               "--prefill-chunk": 256},
+    "registry": {"--host": "127.0.0.1", "--port": 50050},
+    "scheduler": {"--model": None, "--registry": "local", "--host": "127.0.0.1", "--registry-port": 50050,
+                  "--model-name": "", "--dtype": "float32", "--quantize": "none", "--lock-ttl": 3.0,
+                  "--kv-headroom": 0.2},
+    "plan": {"--model": None, "--registry": "local://127.0.0.1:50050", "--model-name": ""},
+    "up": {"--model": None, "--stages": 2, "--replicas": 1, "--port": 50051, "--dtype": "float32",
+           "--quantize": "none", "--registry": "local"},
+}
+"""The flags (and defaults) the hand-written CLI had: README, scripts and tests use them."""
+
+
+@pytest.mark.parametrize("command", sorted(BEFORE))
+def test_the_flags_written_by_hand_before_keep_their_names_and_defaults(command):
+    written = flags(subparsers(cli.build_parser())[command])
+    assert {flag: written[flag].default for flag in BEFORE[command] if flag in written} == BEFORE[command]
+
+
+def test_flags_reach_nested_and_new_knobs():
+    stage = build("stage", "--layers", "2:", "--inline-max-ms", "2", "--max-batch-tokens", "64",
+                  "--batch-window-ms", "1.5", "--preload", "--session-timeout", "9")
+    assert (stage.layer_start, stage.layer_end) == (2, None)
+    assert stage.batcher == BatcherConfig(batch_window_ms=1.5, max_batch_tokens=64, inline_max_ms=2.0)
+    assert stage.preload and stage.session_timeout_s == 9
+    router = build("router", "--chain", "127.0.0.1:2", "--max-failovers", "5", "--prefill-chunk", "64",
+                   "--batch-max-waiting", "7", "--high-max-wait-s", "1.5", "--aging", "3", "--wire-dtype", "int8")
+    assert router.chains == ["127.0.0.1:1", "127.0.0.1:2"]
+    assert router.generation == GenerationConfig(prefill_chunk=64, max_failovers=5, wire_dtype="int8")
+    assert router.admission.aging_s == 3
+    assert router.admission.limits["batch"] == ClassLimits(max_waiting=7, max_wait_s=600.0)
+    assert router.admission.limits["high"] == ClassLimits(max_waiting=1000, max_wait_s=1.5)
+    assert router.admission.limits["normal"] == AdmissionConfig().limits["normal"]
+    scheduler = build("scheduler", "--kv-headroom", "0.3", "--max-stages", "2", "--lock-ttl", "5")
+    assert scheduler.placement == PlacementConfig(kv_headroom_fraction=0.3, max_stages=2)
+    assert scheduler.lock_ttl_s == 5
+    assert build("up", "--prefill-chunk", "0", "--max-batch-tokens", "128") == UpConfig(prefill_chunk=0,
+                                                                                         max_batch_tokens=128)
+
+
+REFUSED = [
+    (["stage", *MINIMAL["stage"], "--speed", "0"], "--speed 0: must be > 0"),
+    (["stage", *MINIMAL["stage"], "--speed", "-1.5"], "--speed -1.5: must be > 0"),
+    (["stage", *MINIMAL["stage"], "--speed", "nan"], "--speed nan: must be > 0"),
+    (["stage", "--model", "m", "--registry", "local://127.0.0.1:1", "--memory-gb", "0"], "--memory-gb 0: must be > 0"),
+    (["stage", *MINIMAL["stage"], "--kv-cache-gb", "-1"], "--kv-cache-gb -1: must be > 0"),
+    (["stage", *MINIMAL["stage"], "--session-timeout", "-5"], "--session-timeout -5: must be > 0"),
+    (["stage", *MINIMAL["stage"], "--threads", "0"], "--threads 0: must be >= 1"),
+    (["stage", *MINIMAL["stage"], "--port", "65536"], "--port 65536: must be 0..65535"),
+    (["stage", *MINIMAL["stage"], "--max-batch-tokens", "0"], "--max-batch-tokens 0: must be >= 1"),
+    (["stage", *MINIMAL["stage"], "--batch-window-ms", "-1"], "--batch-window-ms -1: must be >= 0"),
+    (["stage", "--model", "m", "--layers", "4:2"], "--layers 4:2: use A:B with 0 <= A < B"),
+    (["stage", "--model", "m"], "give --layers A:B, or --registry"),
+    (["router", *MINIMAL["router"], "--aging", "0"], "--aging 0: must be > 0"),
+    (["router", *MINIMAL["router"], "--slots-per-chain", "0"], "--slots-per-chain 0: must be >= 1"),
+    (["router", *MINIMAL["router"], "--normal-max-waiting", "-1"], "--normal-max-waiting -1: must be >= 0"),
+    (["router", *MINIMAL["router"], "--batch-max-wait-s", "-2"], "--batch-max-wait-s -2: must be > 0"),
+    (["router", *MINIMAL["router"], "--health-interval-s", "0"], "--health-interval-s 0: must be > 0"),
+    (["router", *MINIMAL["router"], "--prefill-chunk", "-1"], "--prefill-chunk -1: must be >= 0"),
+    (["router", *MINIMAL["router"], "--max-failovers", "-1"], "--max-failovers -1: must be >= 0"),
+    (["router", *MINIMAL["router"], "--metrics-port", "99999"], "--metrics-port 99999: must be 0..65535"),
+    (["scheduler", "--model", "m", "--lock-ttl", "-1"], "--lock-ttl -1: must be > 0"),
+    (["scheduler", "--model", "m", "--kv-headroom", "1"], "--kv-headroom 1: must be >= 0 and < 1"),
+    (["scheduler", "--model", "m", "--max-stages", "0"], "--max-stages 0: must be >= 1"),
+    (["scheduler", "--model", "m", "--registry-port", "-1"], "--registry-port -1: must be 0..65535"),
+    (["registry", "--port", "70000"], "--port 70000: must be 0..65535"),
+    (["up", "--stages", "0"], "--stages 0: must be >= 1"),
+    (["up", "--prefill-chunk", "4096"], "--prefill-chunk 4096: more than --max-batch-tokens 2048"),
+    (["up", "--prefill-chunk", "512", "--max-batch-tokens", "256"],
+     "--prefill-chunk 512: more than --max-batch-tokens 256, the most a stage runs in one pass"),
+    (["up", "--max-batch-tokens", "0"], "--max-batch-tokens 0: must be >= 1"),
+]
+
+
+@pytest.mark.parametrize(("argv", "message"), REFUSED, ids=[" ".join(a) for a, _ in REFUSED])
+def test_out_of_range_values_are_refused_naming_the_flag(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"stagemesh {argv[0]}: ") and message in err, err
+
+
+@pytest.mark.parametrize("argv", [["stage", *MINIMAL["stage"], "--speed", "fast"],
+                                  ["stage", "--model", "m", "--layers", "4"],
+                                  ["router", *MINIMAL["router"], "--wire-dtype", "int4"],
+                                  ["up", "--dtype", "float64"]])
+def test_unparsable_values_exit_2_with_the_flag(argv, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(argv)
+    assert exit_.value.code == 2
+    assert f"argument {argv[-2]}: " in capsys.readouterr().err  # the last flag given is the bad one
+
+
+def test_configs_built_directly_check_their_bounds_too():
+    with pytest.raises(ValueError, match="--speed 0: must be > 0"):
+        StageConfig(model="m", layer_start=0, speed=0)
+    with pytest.raises(ValueError, match="--max-batch-tokens 0"):
+        BatcherConfig(max_batch_tokens=0)
+    with pytest.raises(ValueError, match="--high-max-waiting -1"):
+        AdmissionConfig(limits={"high": ClassLimits(max_waiting=-1), "normal": ClassLimits(), "batch": ClassLimits()})
+    with pytest.raises(ValueError, match="give one for each of"):
+        AdmissionConfig(limits={"high": ClassLimits()})
+    with pytest.raises(ValueError, match="--kv-headroom"):
+        SchedulerConfig(model="m", placement=PlacementConfig(kv_headroom_fraction=-0.1))
+    with pytest.raises(ValueError, match="--wire-dtype 'int4'"):
+        RouterConfig(model="m", chains=["127.0.0.1:1"], generation=GenerationConfig(wire_dtype="int4"))
+    # A chunk as large as the budget fits a pass; 0 (no chunking) is a deliberate choice: allowed.
+    assert UpConfig(prefill_chunk=64, max_batch_tokens=64).prefill_chunk == 64
+    assert UpConfig(prefill_chunk=0, max_batch_tokens=64).prefill_chunk == 0
