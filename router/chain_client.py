@@ -100,11 +100,19 @@ class Chain:
     queued_steps: int = 0
     kv_free_bytes: int = 0
     step_ms: float = 0.0  # the slowest stage's median decode pass, as reported: the base of step timeouts
+    max_batch_tokens: int = 0  # the smallest pass budget of its stages, as reported (0: not known yet)
     withdrawn: bool = False  # no longer published: its channels close when its last stream ends
 
     @property
     def label(self) -> str:
         return " -> ".join(f"{s.address}[{s.layer_start}:{s.layer_end}]" for s in self.stages)
+
+    def prefill_chunk(self, wanted: int) -> int:
+        """The chunk to send this chain: `wanted` (0: whole prompts), but never more than a pass of its
+        stages holds, which would run alone and hold every other session's decoding back."""
+        if not self.max_batch_tokens:
+            return wanted
+        return min(wanted, self.max_batch_tokens) if wanted else self.max_batch_tokens
 
 
 @dataclass(frozen=True)

@@ -30,9 +30,11 @@ def parse_chain(spec: str) -> Chain:
 
 
 class ChainSet:
-    def __init__(self, chains: list[Chain], num_layers: int, on_change: Callable[[bool], None] | None = None):
+    def __init__(self, chains: list[Chain], num_layers: int, on_change: Callable[[bool], None] | None = None,
+                 prefill_chunk: int = 0):
         self.chains = chains
         self.num_layers = num_layers
+        self.prefill_chunk = prefill_chunk  # the router's --prefill-chunk, checked against each chain's budget
         self.on_change = on_change
         self.plan = ""
         self._notified = False
@@ -118,6 +120,13 @@ class ChainSet:
         chain.queued_steps = max(i.queued_steps for i in infos)
         chain.kv_free_bytes = min(i.kv_capacity_bytes - i.kv_used_bytes for i in infos)
         chain.step_ms = max(i.step_ms for i in infos)
+        budget = min((i.max_batch_tokens for i in infos if i.max_batch_tokens), default=0)
+        if budget != chain.max_batch_tokens:
+            chain.max_batch_tokens = budget
+            if budget and chain.prefill_chunk(self.prefill_chunk) != self.prefill_chunk:
+                log.warning(f"chain {chain.chain_id}: its stages run at most {budget} tokens per pass, so prompts "
+                            f"go through it in chunks of {budget}, not --prefill-chunk {self.prefill_chunk}",
+                            extra={"chain": chain.chain_id})
         return True
 
     def _check_layers(self, chain: Chain, infos: list[stage_pb2.StageInfo]) -> None:

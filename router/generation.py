@@ -117,6 +117,7 @@ async def generate(
             tried.clear()
             continue
         chain.in_flight += 1
+        chunk = chain.prefill_chunk(config.prefill_chunk)
         try:
             async with ChainSession(chain, max_length, req.request_id, req.deadline, config.wire_dtype,
                                     progress) as session:
@@ -124,7 +125,7 @@ async def generate(
                 # prompt plus all tokens so far), then one token per decode step.
                 feed = req.prompt_ids + generated
                 while True:
-                    token = (await session.step(feed, sampling=sampling, chunk_size=config.prefill_chunk)).token_id
+                    token = (await session.step(feed, sampling=sampling, chunk_size=chunk)).token_id
                     generated.append(token)
                     feed = [token]
                     if token in eos_ids:

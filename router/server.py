@@ -87,7 +87,7 @@ class RouterServer:
         self.server = grpc_server.new_server([StatusInterceptor(log)], grpc_server.PUBLIC_MAX_MESSAGE_BYTES)
         self.health = grpc_server.add_health_and_reflection(self.server, [SERVICE_NAME])
         self.chains = ChainSet([parse_chain(c) for c in config.chains], model_config.num_hidden_layers,
-                               on_change=self._on_chains_change)
+                               on_change=self._on_chains_change, prefill_chunk=config.generation.prefill_chunk)
         for chain in self.chains.chains:
             chain.healthy = False  # until the first health check passes
         self.admission = PriorityAdmission(config.admission, lambda: len(self.chains.usable()))

@@ -163,4 +163,5 @@ class StageService(stage_pb2_grpc.StageServicer):
             queued_steps=self.batcher.queued,
             step_ms=self.batcher.step_ms,
             load_s=model.load_s,
+            max_batch_tokens=self.batcher.config.max_batch_tokens,
         )

@@ -28,8 +28,21 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry)
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to sys.stderr as it is at each record, not as it was at set-up (an embedding program or
+    a test harness may swap it, and the old one may be closed by then)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
+
+
 def setup_logging(level: str = "info") -> None:
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _StderrHandler()
     handler.setFormatter(JsonFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]

@@ -12,6 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from router.generation import GenerationConfig
 from router.server import RouterConfig, RouterServer
+from stage_server.batcher import BatcherConfig
 from stage_server.sessions import UnknownSession
 from stagemesh import grpc_server
 from stagemesh.link_proxy import LinkProxy
@@ -218,5 +219,25 @@ async def test_stage_info_reports_its_progress_inputs(tiny_model):
         await collect(mesh.router_stub.Generate(request([5, 6, 7], 5), timeout=30))
         info = await mesh.stage_stub(0, 0).Info(stage_pb2.InfoRequest())
         assert info.step_ms > 0
+    finally:
+        await mesh.stop()
+
+
+async def test_a_long_prompt_is_not_starved_by_decodes_whatever_the_chunk_setting(tiny_model, hf_models):
+    """The router's chunk (0: whole prompts) is held to the stages' pass budget when it adopts a chain,
+    and a chunk left out of passes ages until it runs: a 300-token prompt completes, exactly, while
+    eight decode streams keep the stage busy."""
+    mesh = await start_mesh(tiny_model, [splits(3, 5)],
+                            stage_options={"batcher": BatcherConfig(max_batch_tokens=64)},
+                            router_options={"generation": GenerationConfig(prefill_chunk=0)})
+    try:
+        assert mesh.router.chains.chains[0].max_batch_tokens == 64
+        stub = mesh.router_stub
+        decoders = [collect(stub.Generate(request(prompt(4, seed=50 + i), 40), timeout=120)) for i in range(8)]
+        long_ids = prompt(300, seed=77)
+        results = await asyncio.gather(collect(stub.Generate(request(long_ids, 6), timeout=120)), *decoders)
+        assert results[0][0] == hf_greedy(hf_models["llama"], long_ids, 6)
+        info = await mesh.stage_stub(0, 0).Info(stage_pb2.InfoRequest())
+        assert info.max_batch_tokens == 64
     finally:
         await mesh.stop()

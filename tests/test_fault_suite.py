@@ -1,0 +1,313 @@
+"""One fault at a time on a 2x2 mesh of real processes (two chains of two stages, each stage behind a
+link proxy, a router in front) with streams running. For each fault: every stream completes with
+exactly the tokens of an undisturbed run, or ends with a clear status before its deadline; no process
+dies but the one killed; afterwards the mesh is whole again and no stage holds a session or KV bytes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import socket
+import time
+
+import grpc
+import pytest
+
+from stagemesh import grpc_server
+from stagemesh.launcher import LocalMesh, stage_env, start_local_mesh
+from stagemesh.link_proxy import LinkProxy
+from stagemesh.v1 import router_pb2, router_pb2_grpc, stage_pb2, stage_pb2_grpc
+from tests.conftest import hf_greedy
+from tests.test_exactness import prompt
+
+STREAMS = 4
+NEW_TOKENS = 48
+DEADLINE_S = 90.0
+CLEAR = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
+"""Codes a stream may end with when no chain could carry it (never a hang, INTERNAL or UNKNOWN)."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ProcessMesh:
+    """Four stage processes on fixed ports, a link proxy in front of each, and a router process."""
+
+    def __init__(self, model, log_dir):
+        self.model = str(model)
+        self.mesh = LocalMesh(self.model, log_dir)
+        self.layers = [(0, 4), (4, 8), (0, 4), (4, 8)]
+        self.ports = [_free_port() for _ in self.layers]
+        self.stages = [self._spawn_stage(i) for i in range(4)]
+        self.links = [LinkProxy(f"127.0.0.1:{port}").start() for port in self.ports]
+        chains = [f"{self.links[c].address},{self.links[c + 1].address}" for c in (0, 2)]
+        self.router = self.mesh.spawn("router", [
+            "router", "--model", self.model, "--port", "0", "--health-interval-s", "0.2", "--step-timeout-s", "2",
+            "--max-full-wait-s", "5", *[a for c in chains for a in ("--chain", c)]], stage_env(1))
+
+    def _spawn_stage(self, i: int):
+        a, b = self.layers[i]
+        return self.mesh.spawn(f"stage{i}", [
+            "stage", "--model", self.model, "--layers", f"{a}:{b}", "--port", str(self.ports[i]), "--threads", "1",
+            "--kv-cache-gb", "0.02", "--stall-timeout-s", "5", "--drain-timeout-s", "1"], stage_env(1))
+
+    def restart_stage(self, i: int) -> None:
+        self.stages[i] = self._spawn_stage(i)
+
+    def alive(self) -> list[bool]:
+        return [p.popen.poll() is None for p in (*self.stages, self.router)]
+
+    def stop(self) -> None:
+        for link in self.links:
+            link.stop()
+        self.mesh.stop()
+
+
+@pytest.fixture(scope="module")
+def pm(tiny_model, tmp_path_factory):
+    mesh = ProcessMesh(tiny_model, tmp_path_factory.mktemp("fault-logs"))
+    yield mesh
+    mesh.stop()
+
+
+@pytest.fixture(scope="module")
+def expected(hf_models):
+    prompts = [prompt(6 + 5 * i, seed=900 + i) for i in range(STREAMS)]
+    return prompts, [hf_greedy(hf_models["llama"], p, NEW_TOKENS) for p in prompts]
+
+
+async def _healthy_chains(stub) -> int:
+    return sum(c.healthy for c in (await stub.ListChains(router_pb2.ListChainsRequest(), timeout=5)).chains)
+
+
+async def _until(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not await predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout}s: {what}")
+        await asyncio.sleep(0.2)
+
+
+async def _stream(stub, ids: list[int], running: asyncio.Event):
+    """The stream's tokens, or (code, details, seconds) if it ended with an error; `running` is set
+    once it has its first tokens (or has ended)."""
+    t0 = time.monotonic()
+    got: list[int] = []
+    try:
+        async for r in stub.Generate(router_pb2.GenerateRequest(token_ids=ids, max_new_tokens=NEW_TOKENS),
+                                     timeout=DEADLINE_S):
+            got.extend(r.token_ids)
+            if len(got) >= 3:
+                running.set()
+        return got
+    except grpc.aio.AioRpcError as exc:
+        return (exc.code(), exc.details(), time.monotonic() - t0)
+    finally:
+        running.set()
+
+
+async def run_fault(pm: ProcessMesh, expected, inject, restore=None) -> list:
+    """Starts the streams, injects the fault once every stream has tokens, restores, and checks the
+    outcome of each stream and of the mesh."""
+    prompts, wanted = expected
+    async with grpc_server.insecure_channel(pm.router.address) as channel:
+        stub = router_pb2_grpc.RouterStub(channel)
+        await _until(lambda: _healthy_chains_is(stub, 2), 30, "both chains healthy before the fault")
+        running = [asyncio.Event() for _ in prompts]
+        streams = [asyncio.ensure_future(_stream(stub, p, r)) for p, r in zip(prompts, running, strict=True)]
+        await asyncio.wait_for(asyncio.gather(*(r.wait() for r in running)), 60)
+        await asyncio.to_thread(inject)
+        results = await asyncio.gather(*streams)
+        if restore:
+            await asyncio.to_thread(restore)
+        for got, want in zip(results, wanted, strict=True):
+            if isinstance(got, tuple):
+                code, details, took = got
+                assert code in CLEAR and details and took < DEADLINE_S, got
+            else:
+                assert got == want
+        await _until(lambda: _healthy_chains_is(stub, 2), 60, "both chains healthy again after the fault")
+        ids = [t async for r in stub.Generate(router_pb2.GenerateRequest(token_ids=prompts[0],
+                                                                          max_new_tokens=NEW_TOKENS), timeout=60)
+               for t in r.token_ids]
+        assert ids == wanted[0]
+    assert all(pm.alive()), "a process died that was not the one killed"
+    await _until(lambda: _all_stages_empty(pm), 20, "every stage back to 0 sessions and 0 KV bytes")
+    return results
+
+
+async def _healthy_chains_is(stub, n: int) -> bool:
+    with contextlib.suppress(grpc.aio.AioRpcError):
+        return await _healthy_chains(stub) == n
+    return False
+
+
+async def _all_stages_empty(pm: ProcessMesh) -> bool:
+    for port in pm.ports:
+        async with grpc_server.insecure_channel(f"127.0.0.1:{port}") as channel:
+            info = await stage_pb2_grpc.StageStub(channel).Info(stage_pb2.InfoRequest(), timeout=5)
+            if info.open_sessions or info.kv_used_bytes:
+                return False
+    return True
+
+
+def _busy_stage(pm: ProcessMesh, index_in_chain: int) -> int:
+    """The stage (0..3) at this position of the chain carrying the most sessions now."""
+    counts = []
+    for i, port in enumerate(pm.ports):
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            counts.append((stage_pb2_grpc.StageStub(channel).Info(stage_pb2.InfoRequest(), timeout=5).open_sessions,
+                           i))
+    chain = max(range(2), key=lambda c: counts[2 * c][0])
+    return 2 * chain + index_in_chain
+
+
+async def test_sigkill_a_stage(pm, expected):
+    victim = {}
+
+    def kill():
+        victim["i"] = _busy_stage(pm, 1)
+        pm.stages[victim["i"]].popen.send_signal(signal.SIGKILL)
+        pm.stages[victim["i"]].popen.wait(10)
+
+    await run_fault(pm, expected, kill, lambda: pm.restart_stage(victim["i"]))
+
+
+async def test_sigstop_a_stage_then_sigcont(pm, expected):
+    victim = {}
+
+    def stop():
+        victim["i"] = _busy_stage(pm, 0)
+        pm.stages[victim["i"]].popen.send_signal(signal.SIGSTOP)
+
+    await run_fault(pm, expected, stop, lambda: pm.stages[victim["i"]].popen.send_signal(signal.SIGCONT))
+
+
+async def test_cut_a_link_then_restore_it(pm, expected):
+    victim = {}
+
+    def cut():
+        victim["i"] = _busy_stage(pm, 1)
+        pm.links[victim["i"]].set(cut=True)
+
+    await run_fault(pm, expected, cut, lambda: pm.links[victim["i"]].set())
+
+
+async def test_black_hole_a_link_then_restore_it(pm, expected):
+    victim = {}
+
+    def hole():
+        victim["i"] = _busy_stage(pm, 0)
+        pm.links[victim["i"]].set(black_hole=True)
+
+    await run_fault(pm, expected, hole, lambda: pm.links[victim["i"]].set())
+
+
+async def test_200ms_one_way_delay_on_a_link(pm, expected):
+    """Slow, not dead: every stream completes exactly."""
+    victim = {}
+
+    def delay():
+        victim["i"] = _busy_stage(pm, 1)
+        pm.links[victim["i"]].set(delay_s=0.2)
+
+    results = await run_fault(pm, expected, delay, lambda: pm.links[victim["i"]].set())
+    assert all(isinstance(r, list) for r in results)
+
+
+async def test_a_full_kv_pool_on_one_stage(pm, expected):
+    """Sessions fill a stage's pool (opened directly, never stepped): requests go to the other chain."""
+    held = []
+
+    def fill():
+        i = _busy_stage(pm, 0)
+        with grpc.insecure_channel(f"127.0.0.1:{pm.ports[i]}") as channel:
+            stub = stage_pb2_grpc.StageStub(channel)
+            for n in range(200):
+                try:
+                    stub.OpenSession(stage_pb2.OpenSessionRequest(session_id=f"hog-{n}", max_length=2048), timeout=5)
+                    held.append((i, f"hog-{n}"))
+                except grpc.RpcError as exc:
+                    assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                    break
+
+    def release():
+        for i, sid in held:
+            with grpc.insecure_channel(f"127.0.0.1:{pm.ports[i]}") as channel:
+                stage_pb2_grpc.StageStub(channel).CloseSession(stage_pb2.CloseSessionRequest(session_id=sid),
+                                                               timeout=5)
+
+    await run_fault(pm, expected, fill, release)
+    assert held
+
+
+async def test_garbage_bytes_to_every_port(pm, expected):
+    def garbage():
+        for address in [pm.router.address, *(link.address for link in pm.links), *(f"127.0.0.1:{p}" for p in pm.ports)]:
+            host, _, port = address.rpartition(":")
+            with contextlib.suppress(OSError), socket.create_connection((host, int(port)), timeout=2) as sock:
+                sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes(range(256)) * 4)
+
+    results = await run_fault(pm, expected, garbage)
+    assert all(isinstance(r, list) for r in results)
+
+
+async def test_a_poisonous_request_among_the_streams(pm, expected):
+    """A NaN temperature is refused at the door; a 1e-40 one is served; the streams are untouched."""
+    outcome = {}
+
+    def poison():
+        with grpc.insecure_channel(pm.router.address) as channel:
+            stub = router_pb2_grpc.RouterStub(channel)
+            try:
+                list(stub.Generate(router_pb2.GenerateRequest(token_ids=[5, 6], max_new_tokens=4,
+                                                              temperature=float("nan")), timeout=10))
+            except grpc.RpcError as exc:
+                outcome["nan"] = exc.code()
+            outcome["tiny"] = sum(len(r.token_ids) for r in stub.Generate(router_pb2.GenerateRequest(
+                token_ids=[5, 6], max_new_tokens=4, temperature=1e-40, seed=3), timeout=30))
+
+    results = await run_fault(pm, expected, poison)
+    assert outcome == {"nan": grpc.StatusCode.INVALID_ARGUMENT, "tiny": 4}
+    assert all(isinstance(r, list) for r in results)
+
+
+async def test_kill_the_registry_and_restart_it(tiny_model, expected, tmp_path):
+    """The registry (hosted by the scheduler process) is killed mid-stream and restarted on its port:
+    streams and routers carry on with the chains they know; stages register again and the mesh is
+    scheduled again."""
+    mesh, router = start_local_mesh(str(tiny_model), stages=2, replicas=2, router_port=0, registry="local",
+                                    threads=1, log_dir=tmp_path)
+    try:
+        scheduler = mesh.processes[0]
+        registry_port = scheduler.address.rpartition(":")[2]
+        prompts, wanted = expected
+        async with grpc_server.insecure_channel(router.address) as channel:
+            stub = router_pb2_grpc.RouterStub(channel)
+            await _until(lambda: _healthy_chains_is(stub, 2), 90, "two chains published")
+            running = [asyncio.Event() for _ in prompts]
+            streams = [asyncio.ensure_future(_stream(stub, p, r)) for p, r in zip(prompts, running, strict=True)]
+            await asyncio.wait_for(asyncio.gather(*(r.wait() for r in running)), 60)
+            scheduler.popen.send_signal(signal.SIGKILL)
+            scheduler.popen.wait(10)
+            assert await asyncio.gather(*streams) == wanted
+            ids = [t async for r in stub.Generate(router_pb2.GenerateRequest(token_ids=prompts[1],
+                                                                              max_new_tokens=NEW_TOKENS), timeout=60)
+                   for t in r.token_ids]
+            assert ids == wanted[1]  # served on the last known chains, registry gone
+            restarted = await asyncio.to_thread(mesh.spawn, "scheduler-2", [
+                "scheduler", "--model", str(tiny_model), "--registry", "local", "--registry-port", registry_port],
+                stage_env(1))
+            assert restarted.address.endswith(f":{registry_port}")
+            await _until(lambda: _healthy_chains_is(stub, 2), 90, "two chains again after the restart")
+            ids = [t async for r in stub.Generate(router_pb2.GenerateRequest(token_ids=prompts[2],
+                                                                              max_new_tokens=NEW_TOKENS), timeout=60)
+                   for t in r.token_ids]
+            assert ids == wanted[2]
+        assert all(p.popen.poll() is None for p in mesh.processes if p is not scheduler)
+    finally:
+        mesh.stop()
