@@ -101,6 +101,7 @@ class Chain:
     kv_free_bytes: int = 0
     step_ms: float = 0.0  # the slowest stage's median decode pass, as reported: the base of step timeouts
     max_batch_tokens: int = 0  # the smallest pass budget of its stages, as reported (0: not known yet)
+    late_checks: int = 0  # health checks in a row that got no answer in time
     withdrawn: bool = False  # no longer published: its channels close when its last stream ends
 
     @property
@@ -209,7 +210,7 @@ class ChainSession:
         request = stage_pb2.CloseSessionRequest(session_id=self.session_id)
 
         async def close_one(stub: stage_pb2_grpc.StageStub) -> None:
-            with contextlib.suppress(grpc.RpcError, asyncio.CancelledError, RuntimeError):
+            with contextlib.suppress(Exception, asyncio.CancelledError):  # best effort (a closed channel too)
                 await stub.CloseSession(request, timeout=CLOSE_TIMEOUT_S)
 
         await asyncio.gather(*(close_one(s) for s in stubs))

@@ -15,6 +15,9 @@ from stagemesh.v1 import stage_pb2, stage_pb2_grpc
 
 log = logging.getLogger("stagemesh.router")
 STAGE_SERVICE = stage_pb2.DESCRIPTOR.services_by_name["Stage"].full_name
+LATE_CHECKS_TO_DOWN = 2
+"""Health checks in a row that get no answer in time before a chain is taken for down (an answer of
+NOT_SERVING, or a refused connection, takes it down at once)."""
 
 
 class NoUsableChain(RuntimeError):
@@ -98,9 +101,10 @@ class ChainSet:
         if self.on_change:
             self.on_change(bool(self.usable()))
 
-    async def check(self, chain: Chain, timeout: float = 1.0) -> bool:
+    async def check(self, chain: Chain, timeout: float = 1.0) -> bool | None:
         """A chain is healthy when every stage answers SERVING and together they cover all layers.
-        Also records the stages' load, which pick() weighs."""
+        Also records the stages' load, which pick() weighs. None: a stage did not answer in time,
+        which alone proves nothing (a busy host, a paused event loop); refresh() needs it twice."""
         try:
             infos = []
             for stage in chain.stages:
@@ -112,8 +116,8 @@ class ChainSet:
                 infos.append(await stage_pb2_grpc.StageStub(stage.channel).Info(stage_pb2.InfoRequest(),
                                                                                timeout=timeout))
             self._check_layers(chain, infos)
-        except grpc.RpcError:
-            return False
+        except grpc.RpcError as exc:
+            return None if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED else False
         except ValueError as exc:
             log.error(str(exc), extra={"chain": chain.chain_id})
             return False
@@ -146,10 +150,12 @@ class ChainSet:
         chains = list(self.chains)  # replace() may run while the checks await
         results = await asyncio.gather(*(self.check(c) for c in chains))
         changed = False
-        for chain, ok in zip(chains, results, strict=True):
+        for chain, result in zip(chains, results, strict=True):
             if chain.withdrawn:
                 self._close_if_done(chain)  # its check may have reopened a channel
                 continue
+            chain.late_checks = chain.late_checks + 1 if result is None else 0
+            ok = result if result is not None else chain.healthy and chain.late_checks < LATE_CHECKS_TO_DOWN
             if ok != chain.healthy:
                 log.info(f"chain {chain.chain_id} ({chain.label}) is {'up' if ok else 'down'}",
                          extra={"chain": chain.chain_id})

@@ -186,14 +186,14 @@ class Backoff:
         self.attempt = 0
 
     async def wait(self, why: str) -> None:
-        delay = min(self.max_s, self.first_s * 2**self.attempt) * random.uniform(0.5, 1.5)
         left = self.max_wait_s - self.waited
         if self.deadline is not None:
             left = min(left, self.deadline - asyncio.get_running_loop().time())
-        if delay > left:
+        if left <= 0:
             raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                               f"no chain had room for this request within {self.waited:.1f}s ({why}); "
                               "retry later or with fewer new tokens")
+        delay = min(left, min(self.max_s, self.first_s * 2**self.attempt) * random.uniform(0.5, 1.5))
         await asyncio.sleep(delay)
         self.waited += delay
         self.attempt += 1

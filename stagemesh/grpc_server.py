@@ -14,10 +14,13 @@ MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 PUBLIC_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 """What the router's public port accepts in one message: a request whose prompt is as long as any
 context we serve fits many times over; a 256 MiB message from anyone does not."""
-KEEPALIVE_S = 5.0
+KEEPALIVE_S = 30.0
 """Channels ping an idle peer this often, and a peer that does not answer in KEEPALIVE_TIMEOUT_S is
-dropped: a host that black-holes packets, or a stopped process, fails its calls instead of hanging."""
-KEEPALIVE_TIMEOUT_S = 3.0
+dropped: a host that black-holes packets, or a stopped process, fails its calls instead of hanging.
+Generous on purpose: the router's per-step progress timeout catches a hung stage mid-stream much
+sooner; keepalive is for the connections nobody is waiting on, and must not drop a peer whose
+event loop was merely busy for a few seconds."""
+KEEPALIVE_TIMEOUT_S = 20.0
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
