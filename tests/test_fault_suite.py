@@ -8,15 +8,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
-import socket
 import time
 
 import grpc
 import pytest
 
 from stagemesh import grpc_server
-from stagemesh.launcher import LocalMesh, stage_env, start_local_mesh
-from stagemesh.link_proxy import LinkProxy
+from stagemesh.fault_mesh import FaultMesh
+from stagemesh.launcher import stage_env, start_local_mesh
 from stagemesh.v1 import router_pb2, router_pb2_grpc, stage_pb2, stage_pb2_grpc
 from tests.conftest import hf_greedy
 from tests.test_exactness import prompt
@@ -28,48 +27,11 @@ CLEAR = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
 """Codes a stream may end with when no chain could carry it (never a hang, INTERNAL or UNKNOWN)."""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ProcessMesh:
-    """Four stage processes on fixed ports, a link proxy in front of each, and a router process."""
-
-    def __init__(self, model, log_dir):
-        self.model = str(model)
-        self.mesh = LocalMesh(self.model, log_dir)
-        self.layers = [(0, 4), (4, 8), (0, 4), (4, 8)]
-        self.ports = [_free_port() for _ in self.layers]
-        self.stages = [self._spawn_stage(i) for i in range(4)]
-        self.links = [LinkProxy(f"127.0.0.1:{port}").start() for port in self.ports]
-        chains = [f"{self.links[c].address},{self.links[c + 1].address}" for c in (0, 2)]
-        self.router = self.mesh.spawn("router", [
-            "router", "--model", self.model, "--port", "0", "--health-interval-s", "0.2", "--step-timeout-s", "2",
-            "--max-full-wait-s", "5", *[a for c in chains for a in ("--chain", c)]], stage_env(1))
-
-    def _spawn_stage(self, i: int):
-        a, b = self.layers[i]
-        return self.mesh.spawn(f"stage{i}", [
-            "stage", "--model", self.model, "--layers", f"{a}:{b}", "--port", str(self.ports[i]), "--threads", "1",
-            "--kv-cache-gb", "0.02", "--stall-timeout-s", "5", "--drain-timeout-s", "1"], stage_env(1))
-
-    def restart_stage(self, i: int) -> None:
-        self.stages[i] = self._spawn_stage(i)
-
-    def alive(self) -> list[bool]:
-        return [p.popen.poll() is None for p in (*self.stages, self.router)]
-
-    def stop(self) -> None:
-        for link in self.links:
-            link.stop()
-        self.mesh.stop()
-
-
 @pytest.fixture(scope="module")
 def pm(tiny_model, tmp_path_factory):
-    mesh = ProcessMesh(tiny_model, tmp_path_factory.mktemp("fault-logs"))
+    mesh = FaultMesh(str(tiny_model), tmp_path_factory.mktemp("fault-logs"), num_layers=8,
+                     stage_args=("--kv-cache-gb", "0.02", "--stall-timeout-s", "5", "--drain-timeout-s", "1"),
+                     router_args=("--health-interval-s", "0.2", "--step-timeout-s", "2", "--max-full-wait-s", "5"))
     yield mesh
     mesh.stop()
 
@@ -110,7 +72,7 @@ async def _stream(stub, ids: list[int], running: asyncio.Event):
         running.set()
 
 
-async def run_fault(pm: ProcessMesh, expected, inject, restore=None) -> list:
+async def run_fault(pm: FaultMesh, expected, inject, restore=None) -> list:
     """Starts the streams, injects the fault once every stream has tokens, restores, and checks the
     outcome of each stream and of the mesh."""
     prompts, wanted = expected
@@ -146,76 +108,39 @@ async def _healthy_chains_is(stub, n: int) -> bool:
     return False
 
 
-async def _all_stages_empty(pm: ProcessMesh) -> bool:
-    for port in pm.ports:
-        async with grpc_server.insecure_channel(f"127.0.0.1:{port}") as channel:
-            info = await stage_pb2_grpc.StageStub(channel).Info(stage_pb2.InfoRequest(), timeout=5)
-            if info.open_sessions or info.kv_used_bytes:
-                return False
-    return True
+async def _all_stages_empty(pm: FaultMesh) -> bool:
+    return await asyncio.to_thread(pm.open_sessions) == [(0, 0)] * len(pm.ports)
 
 
-def _busy_stage(pm: ProcessMesh, index_in_chain: int) -> int:
-    """The stage (0..3) at this position of the chain carrying the most sessions now."""
-    counts = []
-    for i, port in enumerate(pm.ports):
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            counts.append((stage_pb2_grpc.StageStub(channel).Info(stage_pb2.InfoRequest(), timeout=5).open_sessions,
-                           i))
-    chain = max(range(2), key=lambda c: counts[2 * c][0])
-    return 2 * chain + index_in_chain
+async def _fault(pm: FaultMesh, expected, fault: str, index_in_chain: int) -> list:
+    victim = {}
+
+    def inject():
+        victim["i"] = pm.busy_stage(index_in_chain)
+        pm.inject(fault, victim["i"])
+
+    return await run_fault(pm, expected, inject, lambda: pm.heal(fault, victim["i"]))
 
 
 async def test_sigkill_a_stage(pm, expected):
-    victim = {}
-
-    def kill():
-        victim["i"] = _busy_stage(pm, 1)
-        pm.stages[victim["i"]].popen.send_signal(signal.SIGKILL)
-        pm.stages[victim["i"]].popen.wait(10)
-
-    await run_fault(pm, expected, kill, lambda: pm.restart_stage(victim["i"]))
+    await _fault(pm, expected, "sigkill", 1)
 
 
 async def test_sigstop_a_stage_then_sigcont(pm, expected):
-    victim = {}
-
-    def stop():
-        victim["i"] = _busy_stage(pm, 0)
-        pm.stages[victim["i"]].popen.send_signal(signal.SIGSTOP)
-
-    await run_fault(pm, expected, stop, lambda: pm.stages[victim["i"]].popen.send_signal(signal.SIGCONT))
+    await _fault(pm, expected, "sigstop", 0)
 
 
 async def test_cut_a_link_then_restore_it(pm, expected):
-    victim = {}
-
-    def cut():
-        victim["i"] = _busy_stage(pm, 1)
-        pm.links[victim["i"]].set(cut=True)
-
-    await run_fault(pm, expected, cut, lambda: pm.links[victim["i"]].set())
+    await _fault(pm, expected, "cut", 1)
 
 
 async def test_black_hole_a_link_then_restore_it(pm, expected):
-    victim = {}
-
-    def hole():
-        victim["i"] = _busy_stage(pm, 0)
-        pm.links[victim["i"]].set(black_hole=True)
-
-    await run_fault(pm, expected, hole, lambda: pm.links[victim["i"]].set())
+    await _fault(pm, expected, "black_hole", 0)
 
 
 async def test_200ms_one_way_delay_on_a_link(pm, expected):
     """Slow, not dead: every stream completes exactly."""
-    victim = {}
-
-    def delay():
-        victim["i"] = _busy_stage(pm, 1)
-        pm.links[victim["i"]].set(delay_s=0.2)
-
-    results = await run_fault(pm, expected, delay, lambda: pm.links[victim["i"]].set())
+    results = await _fault(pm, expected, "delay", 1)
     assert all(isinstance(r, list) for r in results)
 
 
@@ -224,7 +149,7 @@ async def test_a_full_kv_pool_on_one_stage(pm, expected):
     held = []
 
     def fill():
-        i = _busy_stage(pm, 0)
+        i = pm.busy_stage(0)
         with grpc.insecure_channel(f"127.0.0.1:{pm.ports[i]}") as channel:
             stub = stage_pb2_grpc.StageStub(channel)
             for n in range(200):
@@ -246,13 +171,7 @@ async def test_a_full_kv_pool_on_one_stage(pm, expected):
 
 
 async def test_garbage_bytes_to_every_port(pm, expected):
-    def garbage():
-        for address in [pm.router.address, *(link.address for link in pm.links), *(f"127.0.0.1:{p}" for p in pm.ports)]:
-            host, _, port = address.rpartition(":")
-            with contextlib.suppress(OSError), socket.create_connection((host, int(port)), timeout=2) as sock:
-                sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes(range(256)) * 4)
-
-    results = await run_fault(pm, expected, garbage)
+    results = await run_fault(pm, expected, pm.send_garbage)
     assert all(isinstance(r, list) for r in results)
 
 

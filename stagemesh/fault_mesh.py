@@ -1,0 +1,123 @@
+"""A mesh of real processes with a switchable link in front of every stage: what the fault tests and
+`scripts/soak.py` inject faults into. Two (or more) chains of stages with fixed layer ranges on fixed
+ports (so a killed stage can be restarted where the router expects it), a LinkProxy in front of each,
+and a router over the proxies."""
+
+from __future__ import annotations
+
+import signal
+import socket
+from pathlib import Path
+
+import grpc
+
+from stagemesh.launcher import LocalMesh, Process, even_split, stage_env
+from stagemesh.link_proxy import LinkProxy
+from stagemesh.v1 import stage_pb2, stage_pb2_grpc
+
+FAULTS = ("sigkill", "sigstop", "cut", "black_hole", "delay", "garbage")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class FaultMesh:
+    """`chains` chains of `stages` stages as processes, each stage behind a LinkProxy; a router."""
+
+    def __init__(self, model: str, log_dir: Path, *, chains: int = 2, stages: int = 2, num_layers: int,
+                 stage_args: tuple[str, ...] = (), router_args: tuple[str, ...] = ()):
+        self.model = str(model)
+        self.mesh = LocalMesh(self.model, Path(log_dir))
+        self.layers = even_split(num_layers, stages) * chains
+        self.per_chain = stages
+        self.stage_args = list(stage_args)
+        self.ports = [free_port() for _ in self.layers]
+        self.links: list[LinkProxy] = []
+        try:
+            self.stages = [self._spawn_stage(i) for i in range(len(self.layers))]
+            self.links = [LinkProxy(f"127.0.0.1:{port}").start() for port in self.ports]
+            specs = [",".join(link.address for link in self.links[c:c + stages])
+                     for c in range(0, len(self.links), stages)]
+            self.router = self.mesh.spawn("router", [
+                "router", "--model", self.model, "--port", "0", *router_args,
+                *[a for spec in specs for a in ("--chain", spec)]], stage_env(1))
+        except BaseException:
+            self.stop()
+            raise
+
+    def _spawn_stage(self, i: int) -> Process:
+        a, b = self.layers[i]
+        return self.mesh.spawn(f"stage{i}", ["stage", "--model", self.model, "--layers", f"{a}:{b}", "--port",
+                                             str(self.ports[i]), "--threads", "1", *self.stage_args], stage_env(1))
+
+    def restart_stage(self, i: int) -> None:
+        """A stage that was killed comes back on its port (the router finds it again by health checks)."""
+        self.stages[i] = self._spawn_stage(i)
+
+    def alive(self) -> list[bool]:
+        return [p.popen.poll() is None for p in (*self.stages, self.router)]
+
+    def open_sessions(self) -> list[tuple[int, int]]:
+        """(open sessions, KV bytes in use) of every stage, in order."""
+        out = []
+        for port in self.ports:
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+                info = stage_pb2_grpc.StageStub(channel).Info(stage_pb2.InfoRequest(), timeout=5)
+            out.append((info.open_sessions, info.kv_used_bytes))
+        return out
+
+    def busy_stage(self, index_in_chain: int) -> int:
+        """The stage at this position of the chain that holds the most sessions now."""
+        sessions = [n for n, _ in self.open_sessions()]
+        chain = max(range(len(self.layers) // self.per_chain), key=lambda c: sessions[c * self.per_chain])
+        return chain * self.per_chain + index_in_chain
+
+    def inject(self, fault: str, stage: int) -> None:
+        """Starts a fault on one stage (or its link); heal() ends it."""
+        proc, link = self.stages[stage], self.links[stage]
+        if fault == "sigkill":
+            proc.popen.send_signal(signal.SIGKILL)
+            proc.popen.wait(10)
+        elif fault == "sigstop":
+            proc.popen.send_signal(signal.SIGSTOP)
+        elif fault == "cut":
+            link.set(cut=True)
+        elif fault == "black_hole":
+            link.set(black_hole=True)
+        elif fault == "delay":
+            link.set(delay_s=0.2)
+        elif fault == "garbage":
+            self.send_garbage()
+        else:
+            raise ValueError(f"fault {fault!r}: use one of {FAULTS}")
+
+    def heal(self, fault: str, stage: int) -> None:
+        if fault == "sigkill":
+            self.restart_stage(stage)
+        elif fault == "sigstop":
+            self.stages[stage].popen.send_signal(signal.SIGCONT)
+        elif fault in ("cut", "black_hole", "delay"):
+            self.links[stage].set()
+
+    def send_garbage(self) -> None:
+        """HTTP/2's preface followed by noise, to every port of the mesh."""
+        addresses = [self.router.address, *(link.address for link in self.links),
+                     *(f"127.0.0.1:{p}" for p in self.ports)]
+        for address in addresses:
+            host, _, port = address.rpartition(":")
+            try:
+                with socket.create_connection((host, int(port)), timeout=2) as sock:
+                    sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes(range(256)) * 4)
+            except OSError:
+                pass
+
+    def stop(self) -> None:
+        for link in self.links:
+            link.stop()
+        for proc in getattr(self, "stages", []):
+            if proc.popen.poll() is None:
+                proc.popen.send_signal(signal.SIGCONT)  # a stopped process cannot act on SIGTERM
+        self.mesh.stop()
