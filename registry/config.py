@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from stagemesh.config_flags import PORT_RULE, refused
+from stagemesh.tracing import TracingConfig
 
 
 @dataclass
@@ -13,6 +14,7 @@ class RegistryConfig:
     """The address to serve on."""
     port: int = 50050
     """The port stages, routers and schedulers reach it on (local://HOST:PORT); 0 picks a free port."""
+    tracing: TracingConfig = field(default_factory=TracingConfig)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

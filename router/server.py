@@ -17,6 +17,7 @@ from stagemesh.config_flags import PORT_RULE, refused
 from stagemesh.discovery.backends import open_registry
 from stagemesh.errors import StatusInterceptor
 from stagemesh.signals import until_signalled
+from stagemesh.tracing import TracingConfig
 from stagemesh.v1 import router_pb2, router_pb2_grpc
 
 log = logging.getLogger("stagemesh.router")
@@ -41,6 +42,7 @@ class RouterConfig:
     """Follow the chains the scheduler publishes there (local://HOST:PORT or consul://HOST:PORT) instead of --chain."""
     model_name: str = ""
     """The model's name in the registry (default: the checkpoint directory's name)."""
+    tracing: TracingConfig = field(default_factory=TracingConfig)
     metrics_port: int | None = None
     """Serve Prometheus metrics on this port (default: none)."""
     drain_timeout_s: float = 30.0

@@ -27,6 +27,7 @@ from stagemesh.discovery.registry import (
     parse_layers,
     plan_key,
 )
+from stagemesh.tracing import TracingConfig
 
 log = logging.getLogger("stagemesh.scheduler")
 
@@ -44,6 +45,7 @@ class SchedulerConfig:
     lock_ttl_s: float = field(default=3.0, metadata={"flag": "--lock-ttl"})
     """Seconds before a standby scheduler takes over from a leader that stopped renewing its lock."""
     placement: placement.PlacementConfig = field(default_factory=placement.PlacementConfig)
+    tracing: TracingConfig = field(default_factory=TracingConfig)
     registry: str = "local"
     """'local' hosts the embedded registry in this process; or local://HOST:PORT, consul://HOST:PORT."""
     host: str = "127.0.0.1"

@@ -28,6 +28,7 @@ import torch
 from stage_server.model import StageModel, StepSlice
 from stage_server.sampling import Sampling, sample
 from stage_server.sessions import Session, UnknownSession
+from stagemesh import metrics
 from stagemesh.config_flags import refused
 
 AGED_AFTER_PASSES = 2
@@ -181,8 +182,11 @@ class StepBatcher:
                 finally:
                     self.running = []
                 self.last_progress = time.monotonic()
+                took = time.perf_counter() - t0
+                metrics.PASS_SECONDS.labels(metrics.batch_label(len(batch))).observe(took)
+                metrics.PASS_TOKENS.observe(sum(r.length for r in batch))
                 if all(r.length == 1 for r in batch):
-                    self.recent_decode_ms.append((time.perf_counter() - t0) * 1000)
+                    self.recent_decode_ms.append(took * 1000)
                 self.batches_run += 1
                 for req, res in zip(batch, results, strict=True):
                     if req.future.done():

@@ -3,10 +3,12 @@ and what they mean, comes from stagemesh.checkpoint)."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from tqdm import tqdm
 from transformers import AutoConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -94,7 +96,9 @@ def load_stage(
         else:
             state[name] = tensor.to(device=device, dtype=dtype)
 
-    for ours, names in sources.items():
+    progress = tqdm(sources.items(), desc=f"loading layers {layer_start}:{layer_end}", unit="tensor",
+                    disable=not sys.stderr.isatty(), leave=False)  # a progress bar on a terminal only
+    for ours, names in progress:
         # float32 only: a bfloat16 GEMV is ~20% slower over the transposed layout (oneDNN prefers rows).
         transposed = device_type == "cpu" and dtype == torch.float32 and not int8_linears and is_linear_weight(ours)
         if len(names) == 1 and not transposed:  # as stored: on CPU a view of the file, read on use

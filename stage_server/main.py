@@ -8,11 +8,13 @@ import psutil
 
 from stage_server.registration import Registration, RegistrationConfig
 from stage_server.server import StageConfig, StageServer
+from stagemesh import metrics
 from stagemesh.discovery.backends import open_registry
 from stagemesh.signals import until_signalled
 
 
 async def serve(config: StageConfig) -> None:
+    metrics.serve_metrics(config.metrics_port, config.host)
     server = StageServer(config)
     model = None
     if config.layer_start is not None:

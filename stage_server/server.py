@@ -17,14 +17,15 @@ from grpc_health.v1 import health_pb2
 from stage_server.batcher import BatcherConfig, StepBatcher
 from stage_server.kv_pool import KVPool
 from stage_server.loader import load_stage
-from stage_server.model import StageModel
+from stage_server.model import StageModel, StepSlice
 from stage_server.quantize import loads_int8_weights, quantize
 from stage_server.sessions import SessionTable
 from stage_server.stage_service import ERROR_CODES, StageService
-from stagemesh import grpc_server
+from stagemesh import grpc_server, metrics
 from stagemesh.checkpoint import QUANTIZE, Quantization, ServingDtype, read_config
 from stagemesh.config_flags import PORT_RULE, refused
 from stagemesh.errors import StatusError, StatusInterceptor
+from stagemesh.tracing import TracingConfig
 from stagemesh.v1 import stage_pb2, stage_pb2_grpc
 
 log = logging.getLogger("stagemesh.stage")
@@ -69,6 +70,9 @@ class StageConfig:
     """On SIGTERM: out of the registry and NOT_SERVING at once, no new sessions, and this long for
     the sessions it holds to finish before the process exits (those left are cut: routers replay them)."""
     batcher: BatcherConfig = field(default_factory=BatcherConfig)
+    tracing: TracingConfig = field(default_factory=TracingConfig)
+    metrics_port: int | None = None
+    """Serve Prometheus metrics on this port (default: none): passes, tokens, sessions, KV pool, wire bytes."""
     threads: int | None = None
     """torch intra-op threads (default: torch's choice)."""
     registry: str | None = None
@@ -115,6 +119,8 @@ class StageConfig:
         if self.memory_gb is not None and not self.memory_gb > 0:
             raise refused(self, "memory_gb", "must be > 0 GiB (leave it out to announce the memory available "
                                              "at start)")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise refused(self, "metrics_port", "must be 0..65535 (left out: no metrics)")
         if not self.speed > 0:
             raise refused(self, "speed", "must be > 0 (a relative speed; 1.0 is an ordinary host)")
         self.model_name = self.model_name or Path(self.model).name
@@ -164,6 +170,20 @@ class StageSlot(stage_pb2_grpc.StageServicer):
         return await self._service().Info(request, context)
 
 
+def warm_up(model: StageModel, pool: KVPool) -> float:
+    """One pass over a scratch session before the stage says SERVING, so that the first caller does
+    not pay for first-use costs (allocator growth, kernel selection); returns its seconds."""
+    t0 = time.perf_counter()
+    cache = pool.allocate(2)
+    try:
+        inputs = (torch.zeros(1, dtype=torch.long, device=model.device) if model.is_first
+                  else torch.zeros(1, model.args.hidden_size, dtype=model.dtype, device=model.device))
+        model(inputs, [StepSlice(cache, 0, 0, 1)])
+    finally:
+        pool.release(cache)
+    return time.perf_counter() - t0
+
+
 class StageServer:
     """A gRPC server that is up (and alive for the registry) before it holds layers; load() then
     activate() give it a slice. Health: "" is SERVING while the process lives, SERVICE_NAME only
@@ -207,7 +227,10 @@ class StageServer:
                 for p in model.parameters():
                     p.sum()  # touches every page of the weights
         model.load_s = time.perf_counter() - t0
-        log.info(f"loaded layers {model.layer_start}:{model.layer_end} in {model.load_s:.2f}s "
+        rss = psutil.Process().memory_info().rss
+        log.info(f"loaded layers {model.layer_start}:{model.layer_end} in {model.load_s:.2f}s, "
+                 f"{sum(p.nbytes for p in model.parameters()) / 2**20:.0f} MiB of weights, process RSS "
+                 f"{rss / 2**20:.0f} MiB "
                  f"(cold start{', preloaded' if self.config.preload else ''}, before serving)",
                  extra={"stage": self.address})
         return model
@@ -218,6 +241,8 @@ class StageServer:
         config, args = self.config, model.args
         kv_bytes = int(config.kv_cache_gb * 2**30) if config.kv_cache_gb else default_kv_bytes(model.device)
         self.pool = KVPool(kv_bytes, len(model.layers), args.num_kv_heads, args.head_dim, model.dtype, model.device)
+        warm_s = await asyncio.to_thread(warm_up, model, self.pool)
+        log.info(f"warm-up pass in {warm_s * 1000:.0f} ms", extra={"stage": self.address})
         self.sessions = SessionTable(self.pool, args.max_position)
         self.batcher = StepBatcher(model, config.batcher)
         self.batcher.start()
@@ -267,16 +292,26 @@ class StageServer:
             for sid in self.sessions.expire_idle(self.config.session_timeout_s):
                 log.info("session expired", extra={"session_id": sid})
 
+    def _export_gauges(self) -> None:
+        if self.sessions is None or self.pool is None or self.batcher is None:
+            return
+        metrics.OPEN_SESSIONS.set(len(self.sessions))
+        metrics.KV_USED_BYTES.set(self.pool.used_bytes)
+        metrics.KV_FREE_BYTES.set(self.pool.capacity_bytes - self.pool.used_bytes)
+        metrics.QUEUED_STEPS.set(self.batcher.queued)
+
     async def _watch_progress(self) -> None:
         """The watchdog: a stage whose event loop answers health checks while its compute thread is
         stuck must not look healthy ("healthy but dead")."""
         limit = self.config.stall_timeout_s
         while True:
             await asyncio.sleep(min(1.0, limit / 4))
+            self._export_gauges()
             stalled = self.batcher is not None and self.batcher.stalled_for() > limit
             if stalled == self.stalled or self.model is None:
                 continue
             self.stalled = stalled
+            metrics.STALLED.set(int(stalled))
             if stalled:
                 log.error(f"no forward pass finished in {limit:.0f}s with steps waiting: NOT_SERVING until one does",
                           extra={"stage": self.address})

@@ -15,7 +15,7 @@ from stage_server.kv_pool import PoolExhausted
 from stage_server.model import StageModel
 from stage_server.sampling import Sampling
 from stage_server.sessions import SessionError, SessionExists, SessionTable, SessionTooLong, UnknownSession
-from stagemesh import tensor_codec
+from stagemesh import metrics, tensor_codec
 from stagemesh.errors import ErrorCodes, StatusError
 from stagemesh.request_limits import InvalidSampling
 from stagemesh.v1 import stage_pb2, stage_pb2_grpc
@@ -74,6 +74,7 @@ class StageService(stage_pb2_grpc.StageServicer):
         touched: set[str] = set()
         try:
             async for request in request_iterator:
+                metrics.WIRE_BYTES.labels("in").inc(request.ByteSize())
                 touched.add(request.session_id)
                 result = await self.batcher.submit(self._to_step(request))
                 response = stage_pb2.ForwardResponse(session_id=request.session_id)
@@ -83,6 +84,7 @@ class StageService(stage_pb2_grpc.StageServicer):
                     response.token_id = result.token_id
                 if result.logits is not None:
                     response.logits.CopyFrom(tensor_codec.encode(result.logits))
+                metrics.WIRE_BYTES.labels("out").inc(response.ByteSize())
                 yield response
         finally:
             # The stream is the session's lifeline: when it ends (done, cancelled, caller gone),

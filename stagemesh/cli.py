@@ -23,6 +23,7 @@ from stagemesh import launcher
 from stagemesh.config_flags import add_flags, from_args
 from stagemesh.launcher import UpConfig
 from stagemesh.log import setup_logging
+from stagemesh.tracing import setup_tracing
 
 
 def _run(coro) -> None:
@@ -35,18 +36,22 @@ def _run(coro) -> None:
 
 
 def run_stage(config: StageConfig) -> None:
+    setup_tracing("stagemesh-stage", config.tracing.otlp_endpoint)
     _run(serve_stage(config))
 
 
 def run_router(config: RouterConfig) -> None:
+    setup_tracing("stagemesh-router", config.tracing.otlp_endpoint)
     _run(serve_router(config))
 
 
 def run_registry(config: RegistryConfig) -> None:
+    setup_tracing("stagemesh-registry", config.tracing.otlp_endpoint)
     _run(serve_registry(config.host, config.port))
 
 
 def run_scheduler(config: SchedulerConfig) -> None:
+    setup_tracing("stagemesh-scheduler", config.tracing.otlp_endpoint)
     _run(_scheduler_hosting_registry(config))
 
 

@@ -28,13 +28,26 @@ STEP_TIMEOUTS = Counter("stagemesh_router_step_timeouts_total",
 FULL_RETRIES = Counter("stagemesh_router_full_retries_total",
                        "Waits (with backoff) because every chain tried was full")
 
-# Stage
-STEP_SECONDS = Histogram("stagemesh_stage_batch_seconds", "Time of one batched forward pass",
-                         buckets=LATENCY_BUCKETS)
-BATCH_STEPS = Histogram("stagemesh_stage_batch_steps", "Session steps in one forward pass",
-                        buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
+# Stage (a process holds one stage; the labels say which pass or direction)
+PASS_SECONDS = Histogram("stagemesh_stage_pass_seconds", "Time of one batched forward pass, by steps in it",
+                         ["batch"], buckets=LATENCY_BUCKETS)
+PASS_TOKENS = Histogram("stagemesh_stage_pass_tokens", "Tokens in one forward pass",
+                        buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096))
 OPEN_SESSIONS = Gauge("stagemesh_stage_open_sessions", "Inference sessions holding KV cache")
 KV_USED_BYTES = Gauge("stagemesh_stage_kv_used_bytes", "KV pool bytes in use")
+KV_FREE_BYTES = Gauge("stagemesh_stage_kv_free_bytes", "KV pool bytes free")
+QUEUED_STEPS = Gauge("stagemesh_stage_queued_steps", "Session steps waiting for a pass")
+WIRE_BYTES = Counter("stagemesh_stage_wire_bytes_total", "Bytes of Forward messages, in from the caller and out",
+                     ["direction"])
+STALLED = Gauge("stagemesh_stage_stalled", "1 while steps wait and no pass finished within --stall-timeout-s")
+
+
+def batch_label(steps: int) -> str:
+    """Passes grouped by size: "1", "2", "3-4", "5-8", ... so the label set stays small."""
+    if steps <= 2:
+        return str(steps)
+    upper = 1 << (steps - 1).bit_length()
+    return f"{upper // 2 + 1}-{upper}"
 
 
 def serve_metrics(port: int | None, host: str = "127.0.0.1") -> None:

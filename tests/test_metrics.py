@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import urllib.request
 
 from prometheus_client import REGISTRY
@@ -36,3 +37,25 @@ def test_metrics_are_served_over_http(unused_tcp_port):
     metrics.serve_metrics(unused_tcp_port)
     with urllib.request.urlopen(f"http://127.0.0.1:{unused_tcp_port}/metrics", timeout=5) as response:
         assert b"stagemesh_router_requests_total" in response.read()
+
+
+async def test_stage_metrics_count_passes_tokens_bytes_and_pool_use(tiny_model):
+    before = {name: value(name) for name in ("stagemesh_stage_pass_tokens_count", "stagemesh_stage_pass_tokens_sum")}
+    wire_in, wire_out = value("stagemesh_stage_wire_bytes_total", direction="in"), value(
+        "stagemesh_stage_wire_bytes_total", direction="out")
+    mesh = await start_mesh(tiny_model, [splits(4, 4)])
+    try:
+        await collect(mesh.router_stub.Generate(router_pb2.GenerateRequest(token_ids=[5, 6, 7], max_new_tokens=40)))
+        # 2 stages: the prompt's pass and 39 decode passes at each
+        assert value("stagemesh_stage_pass_tokens_count") - before["stagemesh_stage_pass_tokens_count"] >= 2 * 40
+        assert value("stagemesh_stage_pass_seconds_count", batch="1") >= 2 * 40
+        assert value("stagemesh_stage_wire_bytes_total", direction="in") > wire_in
+        assert value("stagemesh_stage_wire_bytes_total", direction="out") > wire_out
+        long = mesh.router_stub.Generate(router_pb2.GenerateRequest(token_ids=[5, 6, 7], max_new_tokens=2000))
+        assert (await long.read()).token_ids
+        await asyncio.sleep(1.5)  # the gauges are refreshed every second
+        assert value("stagemesh_stage_open_sessions") == 1  # the one stream's session (at either stage)
+        assert value("stagemesh_stage_kv_used_bytes") > 0 and value("stagemesh_stage_kv_free_bytes") > 0
+        long.cancel()
+    finally:
+        await mesh.stop()
