@@ -18,10 +18,6 @@ KEEPALIVE_S = 5.0
 """Channels ping an idle peer this often, and a peer that does not answer in KEEPALIVE_TIMEOUT_S is
 dropped: a host that black-holes packets, or a stopped process, fails its calls instead of hanging."""
 KEEPALIVE_TIMEOUT_S = 3.0
-RECONNECT_BACKOFF_S = 1.0
-"""A channel whose peer is unreachable tries to connect again this often, however long the peer has
-been down. gRPC's default backoff grows to 120 s: a stage that came back after an outage would sit
-unused (its chain failing the router's health checks) for up to two minutes."""
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -29,8 +25,11 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_timeout_ms", int(KEEPALIVE_TIMEOUT_S * 1000)),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
-    ("grpc.initial_reconnect_backoff_ms", int(RECONNECT_BACKOFF_S * 1000)),
-    ("grpc.max_reconnect_backoff_ms", int(RECONNECT_BACKOFF_S * 1000)),
+    # An unreachable peer is tried again every second, however long it has been down. gRPC's default
+    # backoff grows to 120 s: a stage that came back after an outage would sit unused (its chain
+    # failing the router's health checks) for up to two minutes.
+    ("grpc.initial_reconnect_backoff_ms", 1000),
+    ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 SERVER_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
