@@ -10,6 +10,7 @@ import shutil
 import time
 
 import grpc
+import prometheus_client
 import pytest
 import torch
 
@@ -223,6 +224,8 @@ async def test_a_queued_requests_deadline_is_honoured_and_it_never_runs(tiny_mod
         assert not holder.done()  # they were really queued behind it all along
         await until(lambda: not queue.waiting, 5, "the expired requests leave the queue")
         assert queue.running == 1 and stage.sessions.open_attempts == opened
+        assert gauge("stagemesh_router_waiting_requests") == 0  # what the metrics say, too
+        assert gauge("stagemesh_router_running_requests") == 1
         holder.cancel()
         await until(lambda: queue.running == 0, 10, "the holder's slot is given back")
         got, _, responses = await collect(stub.Generate(request([5, 8], 6), timeout=60))
@@ -230,6 +233,39 @@ async def test_a_queued_requests_deadline_is_honoured_and_it_never_runs(tiny_mod
         assert stage.sessions.open_attempts == opened + 1  # only this one ran
     finally:
         await mesh.stop()
+
+
+async def test_a_caller_that_leaves_the_queue_is_gone_from_it_and_from_its_metrics(tiny_model):
+    """A queued call the caller cancels: it leaves the queue at once, the waiting gauge says so (it is
+    what operators watch for saturation), it never runs, and the next request is served."""
+    mesh = await start_mesh(tiny_model, [splits(8)],
+                            stage_options={"batcher": BatcherConfig(batch_window_ms=5)},  # >= 5 ms a token
+                            router_options={"admission": AdmissionConfig(slots_per_chain=1)})
+    try:
+        stage, queue, stub = mesh.stages[0][0], mesh.router.admission, mesh.router_stub
+        holder = asyncio.ensure_future(collect(stub.Generate(request([5, 6], 1500), timeout=120)))
+        await until(lambda: len(stage.sessions) == 1, 10, "the holder runs")
+        opened = stage.sessions.open_attempts
+        calls = [stub.Generate(request([5, 7], 4, priority=p), timeout=60) for p in (1, 0, -1)]
+        waiting = [asyncio.ensure_future(collect(c)) for c in calls]
+        await until(lambda: len(queue.waiting) == 3, 10, "three wait")
+        assert gauge("stagemesh_router_waiting_requests") == 3
+        for call in calls:
+            call.cancel()
+        await asyncio.gather(*waiting, return_exceptions=True)
+        await until(lambda: not queue.waiting, 5, "the cancelled requests leave the queue")
+        assert gauge("stagemesh_router_waiting_requests") == 0
+        assert queue.running == 1 and not holder.done() and stage.sessions.open_attempts == opened
+        holder.cancel()
+        await until(lambda: queue.running == 0, 10, "the holder's slot is given back")
+        got, _, _ = await collect(stub.Generate(request([5, 8], 6), timeout=60))
+        assert len(got) == 6 and stage.sessions.open_attempts == opened + 1
+    finally:
+        await mesh.stop()
+
+
+def gauge(name: str) -> float:
+    return prometheus_client.REGISTRY.get_sample_value(name)
 
 
 # 4. Failover of any stage ---------------------------------------------------------------------------
