@@ -145,6 +145,7 @@ class PriorityAdmission:
                 self.release()  # the slot was granted to a caller that left
             else:
                 self.waiting.remove(waiter)
+                self._gauges()
             raise
 
     def release(self) -> None:
