@@ -197,6 +197,24 @@ async def test_a_batch_request_is_not_starved_by_a_steady_stream_of_normal_ones(
     assert overtaken, "no normal request was waiting when the batch one got in: nothing was shown"
 
 
+async def test_waiters_let_in_by_a_chain_coming_up_show_in_the_admission_gauges():
+    """PriorityAdmission: when a chain comes up (capacity_changed), waiters are let in, and the
+    waiting/running gauges say so at once, not at the next request's end."""
+    chains = [1]
+    admission = PriorityAdmission(AdmissionConfig(slots_per_chain=1), lambda: chains[0])
+    await admission.acquire(0)
+    waiters = [asyncio.ensure_future(admission.acquire(0)) for _ in range(2)]
+    await until(lambda: len(admission.waiting) == 2, 5, "two wait")
+    chains[0] = 2
+    admission.capacity_changed()
+    await until(lambda: sum(w.done() for w in waiters) == 1, 5, "one is let in")
+    assert (admission.running, len(admission.waiting)) == (2, 1)
+    assert (gauge("stagemesh_router_running_requests"), gauge("stagemesh_router_waiting_requests")) == (2, 1)
+    for w in waiters:
+        w.cancel()
+    await asyncio.gather(*waiters, return_exceptions=True)
+
+
 # 3. The call's deadline while queued ----------------------------------------------------------------
 
 
