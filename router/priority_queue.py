@@ -145,21 +145,23 @@ class PriorityAdmission:
                 self.release()  # the slot was granted to a caller that left
             else:
                 self.waiting.remove(waiter)
+                self._gauges()
             raise
 
     def release(self) -> None:
         self.running -= 1
         self._grant()
-        self._gauges()
 
     def capacity_changed(self) -> None:
         """Call when chains come or go: more room lets waiters in."""
         self._grant()
 
     def _grant(self) -> None:
+        """Lets in the most urgent waiters while there is room; the gauges follow."""
         now = asyncio.get_running_loop().time()
         while self.waiting and self.running < self.slots:
             best = min(self.waiting, key=lambda w: self._score(w, now))
             self.waiting.remove(best)
             self.running += 1
             best.future.set_result(None)
+        self._gauges()

@@ -29,6 +29,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-position", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
+    parser.add_argument("--sliding-window", type=int, default=None,
+                        help="attend to at most this many positions in every layer (mistral, qwen2)")
+    parser.add_argument("--tie-word-embeddings", action="store_true", help="the LM head is the embedding matrix")
     args = parser.parse_args(argv)
     try:
         make_tiny_model(
@@ -43,6 +46,8 @@ def main(argv: list[str] | None = None) -> None:
             max_position=args.max_position,
             seed=args.seed,
             dtype=args.dtype,
+            sliding_window=args.sliding_window,
+            tie_word_embeddings=args.tie_word_embeddings,
         )
     except ValueError as exc:
         parser.error(str(exc))

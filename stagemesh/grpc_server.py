@@ -28,6 +28,11 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_timeout_ms", int(KEEPALIVE_TIMEOUT_S * 1000)),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
+    # An unreachable peer is tried again every second, however long it has been down. gRPC's default
+    # backoff grows to 120 s: a stage that came back after an outage would sit unused (its chain
+    # failing the router's health checks) for up to two minutes.
+    ("grpc.initial_reconnect_backoff_ms", 1000),
+    ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 SERVER_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

@@ -191,9 +191,20 @@ def make_tiny_model(
     max_position: int = 2048,
     seed: int = 0,
     dtype: str = "float32",
+    sliding_window: int | None = None,
+    tie_word_embeddings: bool = False,
 ) -> Path:
-    """Write a random ``family`` checkpoint plus tokenizer into ``out_dir``; return its path."""
+    """Write a random ``family`` checkpoint plus tokenizer into ``out_dir``; return its path.
+
+    ``sliding_window``: every layer attends to at most this many positions (mistral and qwen2; the
+    default is full attention). ``tie_word_embeddings``: the LM head is the embedding matrix (the
+    checkpoint then has no ``lm_head.weight``)."""
     _validate(family, layers, hidden, heads, kv_heads, intermediate, vocab, max_position, dtype)
+    if sliding_window is not None:
+        if family == "llama":
+            raise ValueError("sliding_window: llama has none; use mistral or qwen2")
+        if sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
 
     import torch
     from transformers import (
@@ -222,15 +233,16 @@ def make_tiny_model(
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "max_position_embeddings": max_position,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": tie_word_embeddings,
         **special_ids,
     }
     if family == "llama":
         config = LlamaConfig(**common)
     elif family == "mistral":
-        config = MistralConfig(**common, sliding_window=None)
-    else:  # qwen2: q/k/v projections carry a bias by design
-        config = Qwen2Config(**common, use_sliding_window=False, sliding_window=None)
+        config = MistralConfig(**common, sliding_window=sliding_window)
+    else:  # qwen2: q/k/v projections carry a bias by design; a window, if any, on every layer
+        window = {} if sliding_window is None else {"use_sliding_window": True, "max_window_layers": 0}
+        config = Qwen2Config(**common, **({"use_sliding_window": False} | window), sliding_window=sliding_window)
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
