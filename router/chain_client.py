@@ -201,7 +201,8 @@ class ChainSession:
         request = stage_pb2.CloseSessionRequest(session_id=self.session_id)
 
         async def close_one(stub: stage_pb2_grpc.StageStub) -> None:
-            with contextlib.suppress(grpc.RpcError, asyncio.CancelledError, RuntimeError):
+            # UsageError: the channel was closed meanwhile (its withdrawn chain's last stream ended).
+            with contextlib.suppress(grpc.RpcError, grpc.aio.UsageError, asyncio.CancelledError, RuntimeError):
                 await stub.CloseSession(request, timeout=CLOSE_TIMEOUT_S)
 
         await asyncio.gather(*(close_one(s) for s in stubs))

@@ -1,0 +1,106 @@
+"""Drain, as real processes: SIGTERM to a stage that carries streams lets them finish on it (no failover,
+exact tokens) and the process exits by itself within its drain timeout."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import grpc
+import pytest
+
+from stagemesh.launcher import start_local_mesh, wait_for_chains
+from stagemesh.v1 import router_pb2, router_pb2_grpc, stage_pb2, stage_pb2_grpc
+from tests.conftest import hf_greedy
+
+DRAIN_S = 60.0
+"""Far more than the streams need, so that on a slow machine the drain still lets them finish."""
+MARGIN_S = 30.0
+STREAMS = 6
+TOKENS = 64
+PACE_MS = 20
+"""--batch-window-ms: every step waits this long at each stage, so that 64 tokens take >= 2.5 s on any
+machine and the streams are surely mid-flight when the SIGTERM lands."""
+
+
+class Stream(threading.Thread):
+    """One greedy Generate call, read token by token."""
+
+    def __init__(self, address: str, prompt: list[int], request_id: str):
+        super().__init__(daemon=True)
+        self.address, self.prompt, self.request_id = address, prompt, request_id
+        self.tokens: list[int] = []
+        self.finished = False
+        self.error: grpc.RpcError | None = None
+
+    def run(self) -> None:
+        request = router_pb2.GenerateRequest(token_ids=self.prompt, max_new_tokens=TOKENS, temperature=0.0,
+                                             request_id=self.request_id)
+        try:
+            with grpc.insecure_channel(self.address) as channel:
+                for response in router_pb2_grpc.RouterStub(channel).Generate(request, timeout=DRAIN_S + MARGIN_S):
+                    self.tokens.extend(response.token_ids)
+            self.finished = True
+        except grpc.RpcError as exc:
+            self.error = exc
+
+
+def open_sessions(address: str) -> int:
+    with grpc.insecure_channel(address) as channel:
+        return stage_pb2_grpc.StageStub(channel).Info(stage_pb2.InfoRequest(), timeout=10).open_sessions
+
+
+@pytest.mark.timeout(400)
+def test_sigterm_drains_a_stage_its_streams_finish_exactly_and_it_exits(tiny_model, hf_models, tmp_path):
+    prompts = [[5 + i, 17, 42, 9 + 3 * i, 100 + i] for i in range(STREAMS)]
+    expected = [hf_greedy(hf_models["llama"], p, TOKENS) for p in prompts]
+    mesh, router = start_local_mesh(
+        str(tiny_model), stages=2, replicas=2, router_port=0, registry="local", threads=1, log_dir=tmp_path,
+        extra_stage_args=["--drain-timeout-s", str(DRAIN_S), "--batch-window-ms", str(PACE_MS)])
+    try:
+        chains = wait_for_chains(router.address, 2, timeout=120)
+        assert len(chains) == 2, "the mesh did not come up with 2 chains"
+        streams = [Stream(router.address, p, f"drain-{i}") for i, p in enumerate(prompts)]
+        for s in streams:
+            s.start()
+        deadline = time.monotonic() + 120
+        while not all(len(s.tokens) >= 2 or s.finished or s.error for s in streams):
+            assert time.monotonic() < deadline, "the streams did not start"
+            time.sleep(0.02)
+        # The victim: a stage that holds sessions right now (the router spreads the streams over both chains).
+        stages = [s.address for c in chains for s in c.stages]
+        loaded = {a: open_sessions(a) for a in stages}
+        victim_address = max(stages, key=loaded.get)
+        assert loaded[victim_address] >= 1, loaded
+        victim = next(p for p in mesh.processes if p.address == victim_address)
+        running = [s for s in streams if not s.finished]
+        t0 = time.monotonic()
+        victim.popen.send_signal(signal.SIGTERM)
+        assert len(running) == STREAMS, "every stream is still running when the stage is told to stop"
+
+        for s in streams:
+            s.join(timeout=DRAIN_S + MARGIN_S)
+        assert not [s.request_id for s in streams if s.is_alive()], "streams still running"
+        assert [(s.request_id, s.error) for s in streams if s.error] == []
+        for s, want in zip(streams, expected, strict=True):
+            assert s.finished and s.tokens == want, s.request_id
+
+        returncode = victim.popen.wait(timeout=DRAIN_S + MARGIN_S)
+        took = time.monotonic() - t0
+        assert returncode == 0, f"the drained stage exited with {returncode} (negative: killed by a signal)"
+        assert took < DRAIN_S + MARGIN_S
+        # Drained, not failed over: the router moved no stream off the stopping stage's chain.
+        router_log = (tmp_path / "router.log").read_text()
+        assert "moving the stream" not in router_log, router_log[-3000:]
+        errors = [line for line in router_log.splitlines() if '"level": "error"' in line]
+        assert not errors, "\n".join(errors)[-3000:]
+        stage_log = victim.log_path.read_text()
+        assert "Traceback" not in stage_log, stage_log[-3000:]
+        # The rest of the mesh still serves.
+        with grpc.insecure_channel(router.address) as channel:
+            ids = [t for r in router_pb2_grpc.RouterStub(channel).Generate(
+                router_pb2.GenerateRequest(token_ids=prompts[0], max_new_tokens=8), timeout=60) for t in r.token_ids]
+        assert ids == expected[0][:8]
+    finally:
+        mesh.stop()
