@@ -186,10 +186,11 @@ class Backoff:
 
     async def wait(self, why: str) -> None:
         delay = min(self.max_s, self.first_s * 2**self.attempt) * random.uniform(0.5, 1.5)
-        left = self.max_wait_s - self.waited
-        if self.deadline is not None:
-            left = min(left, self.deadline - asyncio.get_running_loop().time())
-        if delay > left:
+        # The last wait is cut to what is left of max_wait_s: a request waits all of it, not give up
+        # a (jittered) delay early; it never waits past its deadline.
+        delay = min(delay, self.max_wait_s - self.waited)
+        if delay <= 0 or (self.deadline is not None
+                          and delay > self.deadline - asyncio.get_running_loop().time()):
             raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                               f"no chain had room for this request within {self.waited:.1f}s ({why}); "
                               "retry later or with fewer new tokens")

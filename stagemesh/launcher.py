@@ -213,16 +213,9 @@ def run_up(config: UpConfig) -> None:
                                     prefill_chunk=config.prefill_chunk, threads=config.threads, log_dir=log_dir,
                                     extra_stage_args=["--max-batch-tokens", str(config.max_batch_tokens), *drain],
                                     extra_router_args=drain)
-    try:
-        chains = wait_for_chains(router.address, config.replicas)
-    except BaseException:
-        mesh.stop()
-        raise
     policy = RestartPolicy(config.restart_backoff_s, config.restart_backoff_max_s, config.restart_reset_s)
     supervisor = Supervisor(mesh, policy, info={"model": model, "router": router.address, "stages": config.stages,
                                                 "replicas": config.replicas, "drain_timeout_s": config.drain_timeout_s})
-    supervisor.write_state()
-    _print_welcome(model, mesh, router, chains, supervisor)
     stop = threading.Event()
 
     def on_signal(*_) -> None:
@@ -230,11 +223,15 @@ def run_up(config: UpConfig) -> None:
             raise KeyboardInterrupt  # a second Ctrl-C: no more waiting for drains
         stop.set()
 
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
     try:
+        chains = wait_for_chains(router.address, config.replicas)
+        supervisor.write_state()
+        _print_welcome(model, mesh, router, chains, supervisor)
+        signal.signal(signal.SIGINT, on_signal)
+        signal.signal(signal.SIGTERM, on_signal)
         supervisor.run(stop)
     finally:
+        stop.set()  # from now on a signal kills at once
         print("stopping: the router first (it drains its streams), then the stages, then the scheduler", flush=True)
         try:
             mesh.shutdown(wait_s=config.drain_timeout_s + STOP_MARGIN_S)
