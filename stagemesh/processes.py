@@ -133,4 +133,14 @@ class LocalMesh:
             proc.popen.wait(timeout=10)
 
     def stop(self) -> None:
-        self.shutdown(wait_s=10.0)
+        """SIGTERM to every process at once (each drains what it carries), then wait; kill after 10 s. Quicker
+        than shutdown(), whose order matters only while callers' streams are in flight."""
+        for proc in reversed(self.processes):
+            if proc.running():
+                proc.popen.send_signal(signal.SIGTERM)
+        for proc in self.processes:
+            try:
+                proc.popen.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.popen.kill()
+                proc.popen.wait(timeout=10)
