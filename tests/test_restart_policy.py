@@ -6,6 +6,9 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+import psutil
 
 from stagemesh.processes import LocalMesh, Process
 from stagemesh.supervisor import RestartPolicy, Supervisor, read_state, restart_args
@@ -78,3 +81,31 @@ def test_a_due_restart_starts_the_process_again_and_its_exit_counts(tmp_path):
     assert supervisor.slots["registry"].failures == 2 and supervisor.slots["registry"].restarts == 1
     assert [e["pid"] for e in read_state(tmp_path)["exits"]] == [first.pid, second.pid]
     assert "--port 70000: must be 0..65535" in second.log_path.read_text()
+
+
+PARENT = """
+import sys, time
+from pathlib import Path
+from stagemesh.launcher import stage_env
+from stagemesh.processes import LocalMesh
+child = LocalMesh("m", Path(sys.argv[1])).spawn("registry", ["registry", "--port", "0"], stage_env(1))
+print(child.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_child_stops_when_its_parent_is_killed(tmp_path):
+    """A child of a LocalMesh (as of `stagemesh up`) whose parent dies by SIGKILL gets SIGTERM from the
+    kernel and exits: nothing serves on unsupervised."""
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(tmp_path)], stdout=subprocess.PIPE, text=True,
+                              cwd=Path(__file__).resolve().parent.parent)
+    try:
+        child = psutil.Process(int(parent.stdout.readline()))
+        assert child.ppid() == parent.pid
+        parent.kill()
+        parent.wait(timeout=30)
+        child.wait(timeout=60)  # psutil.TimeoutExpired if it serves on (its exit code is its parent's to read)
+        assert not child.is_running()
+    finally:
+        if parent.poll() is None:
+            parent.kill()
