@@ -142,4 +142,8 @@ async def serve(config: RouterConfig) -> None:
     await server.start()
     print(f"router ready on {server.address}", flush=True)
     await until_signalled()
+    t0 = asyncio.get_running_loop().time()
+    log.info(f"stopping: NOT_SERVING, no new calls; draining the streams in flight for up to "
+             f"{config.drain_timeout_s:g}s")
     await server.stop(config.drain_timeout_s)  # drain: the streams it carries finish
+    log.info(f"drained in {asyncio.get_running_loop().time() - t0:.1f}s; exiting")

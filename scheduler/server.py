@@ -4,6 +4,7 @@ asked to) and `stagemesh plan`."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,6 +13,8 @@ from stagemesh.discovery.backends import open_registry
 from stagemesh.discovery.chain_table import decode_chains
 from stagemesh.discovery.registry import chains_key, plan_key
 from stagemesh.signals import until_signalled
+
+log = logging.getLogger("stagemesh.scheduler")
 
 
 @dataclass
@@ -35,6 +38,7 @@ async def serve_scheduler(config: SchedulerConfig, registry_url: str) -> None:
     task = asyncio.get_running_loop().create_task(scheduler.run())
     print(f"scheduler ready ({config.scheduler_id}, registry {registry_url})", flush=True)
     await until_signalled()
+    log.info("stopping: the leader lock is released for a standby")
     task.cancel()
     await scheduler.stop()
     await registry.close()

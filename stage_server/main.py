@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 
 import psutil
 
@@ -11,6 +13,8 @@ from stage_server.server import StageConfig, StageServer
 from stagemesh import metrics
 from stagemesh.discovery.backends import open_registry
 from stagemesh.signals import until_signalled
+
+log = logging.getLogger("stagemesh.stage")
 
 
 async def serve(config: StageConfig) -> None:
@@ -31,6 +35,11 @@ async def serve(config: StageConfig) -> None:
     await until_signalled()
     # Drain: out of the registry (the scheduler withdraws its chains), NOT_SERVING, no new calls;
     # the sessions it holds finish, up to the drain timeout.
+    t0 = time.monotonic()
+    held = len(server.sessions) if server.sessions else 0
+    log.info(f"stopping: draining {held} open session(s) for up to {config.drain_timeout_s:g}s "
+             "(out of the registry, NOT_SERVING, no new calls)", extra={"stage": server.address})
     if registration:
         await registration.stop()
     await server.stop(config.drain_timeout_s)
+    log.info(f"drained in {time.monotonic() - t0:.1f}s; exiting", extra={"stage": server.address})

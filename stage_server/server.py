@@ -147,6 +147,10 @@ class StageSlot(stage_pb2_grpc.StageServicer):
 
     def __init__(self) -> None:
         self.current: StageService | None = None
+        self.draining = False
+        """Stopping: no new session; the open streams go on until they end or the drain timeout cuts them."""
+        self.streams = 0
+        """Forward streams whose handlers are running."""
 
     def _service(self) -> StageService:
         if self.current is None:
@@ -155,16 +159,23 @@ class StageSlot(stage_pb2_grpc.StageServicer):
         return self.current
 
     async def OpenSession(self, request, context):
+        if self.draining:
+            raise StatusError(grpc.StatusCode.UNAVAILABLE,
+                              "this stage is draining (stopping): it takes no new session; use another chain")
         return await self._service().OpenSession(request, context)
 
     async def CloseSession(self, request, context):
         return await self._service().CloseSession(request, context)
 
     async def Forward(self, request_iterator, context):
-        # Closed with this stream, not when collected: the service's Forward closes its sessions then.
-        async with contextlib.aclosing(self._service().Forward(request_iterator, context)) as responses:
-            async for response in responses:
-                yield response
+        self.streams += 1
+        try:
+            # Closed with this stream, not when collected: the service's Forward closes its sessions then.
+            async with contextlib.aclosing(self._service().Forward(request_iterator, context)) as responses:
+                async for response in responses:
+                    yield response
+        finally:
+            self.streams -= 1
 
     async def Info(self, request, context):
         return await self._service().Info(request, context)
@@ -276,12 +287,28 @@ class StageServer:
             await self.activate(model)
 
     async def stop(self, grace: float | None = 1.0) -> None:
-        """NOT_SERVING at once, no new calls; open streams (sessions) get `grace` seconds to finish."""
+        """Drains, then stops: NOT_SERVING and no new session at once (health checks and Info are still
+        answered, so routers see why); the open streams (sessions) get `grace` seconds to end, and those left
+        then are cut (routers replay them elsewhere)."""
         await grpc_server.set_serving(self.health, [SERVICE_NAME], False)
+        self.slot.draining = True
         for task in self._tasks:
             task.cancel()
-        await self.server.stop(grace)
+        if grace:
+            await self._drain(grace)
+        # The streams ended before the server stops: a stream's end that raced the server's shutdown was
+        # seen by its handler as the server gone (an error, logged as one).
+        await self.server.stop(0)
         await self.deactivate()
+
+    async def _drain(self, timeout: float) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while (self.slot.streams or (self.sessions and len(self.sessions))) and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        if self.slot.streams:
+            log.warning(f"drain timeout: cutting {self.slot.streams} stream(s) still open after {timeout:g}s",
+                        extra={"stage": self.address})
 
     async def _reap_idle(self) -> None:
         period = min(5.0, self.config.session_timeout_s / 2)

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
 import os
+import signal
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,6 +25,8 @@ from stagemesh import launcher
 from stagemesh.config_flags import add_flags, from_args
 from stagemesh.launcher import UpConfig
 from stagemesh.log import setup_logging
+from stagemesh.processes import PARENT_PID_ENV
+from stagemesh.rolling import RollConfig, run_roll
 from stagemesh.tracing import setup_tracing
 
 
@@ -87,8 +91,25 @@ COMMANDS = {
     "registry": Command(RegistryConfig, run_registry, "the embedded registry on its own (one machine)"),
     "scheduler": Command(SchedulerConfig, run_scheduler, "place layers on the registered stages and publish chains"),
     "plan": Command(PlanConfig, run_plan, "print the scheduler's current plan and chains"),
-    "up": Command(UpConfig, launcher.run_up, "start stage servers and a router on this machine"),
+    "up": Command(UpConfig, launcher.run_up, "start a scheduler, stage servers and a router on this machine, "
+                  "and restart any that exits"),
+    "roll": Command(RollConfig, run_roll, "restart every stage of a running `stagemesh up`, one by one, each "
+                    "drained first: a rolling update without a failed request"),
 }
+
+
+def _stop_with_parent() -> None:
+    """A child of `stagemesh up` (stagemesh/processes.py) is told to stop (SIGTERM: it drains) when its parent
+    dies, even by SIGKILL, instead of serving on as an orphan that nothing supervises. Linux only."""
+    parent = os.environ.pop(PARENT_PID_ENV, "")  # for this process only, not for any it starts
+    if not parent.isdigit() or not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(parent):  # the parent died before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -103,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
+    _stop_with_parent()
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
     command = COMMANDS[args.command]

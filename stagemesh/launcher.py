@@ -1,25 +1,29 @@
-"""`stagemesh up`: a whole mesh on one machine (stage servers as separate processes and a router),
-for demos and benchmarks. Stops everything on Ctrl-C or SIGTERM."""
+"""`stagemesh up`: a whole mesh on one machine (a scheduler with the embedded registry, stage servers and a
+router, each its own process), supervised: a process that exits is started again (stagemesh/supervisor.py).
+Ctrl-C or SIGTERM stops everything, in order and gracefully (stagemesh/processes.py)."""
 
 from __future__ import annotations
 
 import os
-import re
 import signal
-import subprocess
 import sys
 import tempfile
+import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from router.generation import GenerationConfig
 from stage_server.batcher import BatcherConfig
 from stagemesh.checkpoint import Quantization, ServingDtype
 from stagemesh.config_flags import PORT_RULE, refused
+from stagemesh.processes import READY, LocalMesh, Process
+from stagemesh.supervisor import RestartPolicy, Supervisor
 from stagemesh.tiny_model import make_tiny_model
 
-READY = re.compile(r"(stage|router|registry|scheduler) ready (?:on )?(\S+)")
+__all__ = ["READY", "LocalMesh", "Process", "UpConfig", "run_up", "start_local_mesh", "wait_for_chains"]
+STOP_MARGIN_S = 10.0
+"""On stop, each group (router, stages, scheduler) gets its drain timeout and this long before it is killed."""
 
 
 @dataclass
@@ -44,6 +48,22 @@ class UpConfig:
     """The router's --prefill-chunk: prompt tokens per pipelined chunk (0: the whole prompt at once)."""
     max_batch_tokens: int = BatcherConfig.max_batch_tokens
     """The stages' --max-batch-tokens: the token budget of one forward pass."""
+    threads: int | None = None
+    """torch threads per stage (default: this machine's cores shared out over the float32 stages)."""
+    drain_timeout_s: float = 30.0
+    """The router's and the stages' --drain-timeout-s: on SIGTERM (Ctrl-C here, or `stagemesh roll`) each lets
+    the streams it carries finish for up to this long; on stop, each is killed if still running this long
+    (plus 10 s) after its SIGTERM."""
+    restart_backoff_s: float = 0.5
+    """A process that exits is started again after this long, doubled for each exit in a row that came
+    soon after its start."""
+    restart_backoff_max_s: float = 30.0
+    """The longest wait before a restart."""
+    restart_reset_s: float = 60.0
+    """A process that ran this long before it exited is restarted after --restart-backoff-s again."""
+    log_dir: str | None = None
+    """Each process's log, and mesh.json (who runs where; `stagemesh roll` reads it), go here (default: a
+    fresh temporary directory, printed)."""
 
     def __post_init__(self) -> None:
         if not self.stages >= 1:
@@ -52,6 +72,17 @@ class UpConfig:
             raise refused(self, "replicas", "must be >= 1 chain")
         if not 0 <= self.port <= 65535:
             raise refused(self, "port", PORT_RULE)
+        if self.threads is not None and not self.threads >= 1:
+            raise refused(self, "threads", "must be >= 1 (leave it out to share the cores out)")
+        if not self.drain_timeout_s >= 0:
+            raise refused(self, "drain_timeout_s", "must be >= 0 seconds (0: cut open streams at once)")
+        if not self.restart_backoff_s > 0:
+            raise refused(self, "restart_backoff_s", "must be > 0 seconds (a crashing process is not restarted in "
+                                                     "a busy loop)")
+        if not self.restart_backoff_max_s >= self.restart_backoff_s:
+            raise refused(self, "restart_backoff_max_s", f"must be >= --restart-backoff-s {self.restart_backoff_s}")
+        if not self.restart_reset_s > 0:
+            raise refused(self, "restart_reset_s", "must be > 0 seconds of running")
         # The router's and the stages' own bounds, checked here before any process starts.
         GenerationConfig(prefill_chunk=self.prefill_chunk)
         BatcherConfig(max_batch_tokens=self.max_batch_tokens)
@@ -77,49 +108,6 @@ def stage_env(threads: int | None) -> dict[str, str]:
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
     return env
-
-
-@dataclass
-class Process:
-    name: str
-    popen: subprocess.Popen
-    log_path: Path
-    address: str = ""
-
-
-@dataclass
-class LocalMesh:
-    model: str
-    log_dir: Path
-    processes: list[Process] = field(default_factory=list)
-    registry_url: str = ""
-
-    def spawn(self, name: str, args: list[str], env: dict[str, str], timeout: float = 120.0) -> Process:
-        log_path = self.log_dir / f"{name}.log"
-        log = log_path.open("w")
-        popen = subprocess.Popen([sys.executable, "-m", "stagemesh.cli", *args], stdout=subprocess.PIPE,
-                                 stderr=log, env=env, text=True)
-        proc = Process(name, popen, log_path)
-        self.processes.append(proc)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            line = popen.stdout.readline()
-            if not line:
-                break
-            if m := READY.search(line):
-                proc.address = m.group(2)
-                return proc
-        raise RuntimeError(f"{name} did not start; see {log_path}:\n{log_path.read_text()[-2000:]}")
-
-    def stop(self) -> None:
-        for proc in reversed(self.processes):
-            if proc.popen.poll() is None:
-                proc.popen.send_signal(signal.SIGTERM)
-        for proc in self.processes:
-            try:
-                proc.popen.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.popen.kill()
 
 
 def stage_budget_gb(model: str, stages: int, dtype: str, headroom: float = 0.2, quantize: str = "none") -> float:
@@ -167,22 +155,31 @@ def start_local_mesh(model: str, *, stages: int, replicas: int = 1, router_port:
             else:
                 mesh.spawn("scheduler", ["scheduler", "--model", model, "--registry", url, *sizing], env)
             budget = f"{stage_budget_gb(model, stages, dtype, quantize=quantize):.6f}"
-            for i in range(stages * replicas):
-                mesh.spawn(f"stage-{i}", [*stage_args, "--registry", url, "--memory-gb", budget], env)
-            router = mesh.spawn("router", [*router_args, "--registry", url], env)
+            # The stages and the router start side by side: they find each other through the registry.
+            *_, router = _start_together(mesh, [
+                *((f"stage-{i}", [*stage_args, "--registry", url, "--memory-gb", budget])
+                  for i in range(stages * replicas)),
+                ("router", [*router_args, "--registry", url])], env)
             mesh.registry_url = url
         else:
+            ranges = even_split(num_layers, stages)
+            started = _start_together(mesh, [(f"stage-r{r}-s{i}", [*stage_args, "--layers", f"{a}:{b}"])
+                                             for r in range(replicas) for i, (a, b) in enumerate(ranges)], env)
             for r in range(replicas):
-                addresses = []
-                for i, (a, b) in enumerate(even_split(num_layers, stages)):
-                    proc = mesh.spawn(f"stage-r{r}-s{i}", [*stage_args, "--layers", f"{a}:{b}"], env)
-                    addresses.append(proc.address)
-                router_args += ["--chain", ",".join(addresses)]
+                router_args += ["--chain", ",".join(p.address for p in started[r * stages:(r + 1) * stages])]
             router = mesh.spawn("router", router_args, env)
     except BaseException:
         mesh.stop()
         raise
     return mesh, router
+
+
+def _start_together(mesh: LocalMesh, specs: list[tuple[str, list[str]]], env: dict[str, str],
+                    timeout: float = 120.0) -> list[Process]:
+    """Starts every (name, args) at once (the imports of torch overlap) and waits until all are ready."""
+    procs = [mesh.launch(name, args, env) for name, args in specs]
+    mesh.processes.extend(procs)
+    return [mesh.wait_ready(p, timeout) for p in procs]
 
 
 def wait_for_chains(router_address: str, count: int, timeout: float = 120.0) -> list:
@@ -201,20 +198,54 @@ def wait_for_chains(router_address: str, count: int, timeout: float = 120.0) -> 
             time.sleep(0.2)
 
 
+def _interrupt(*_) -> None:
+    raise KeyboardInterrupt
+
+
 def run_up(config: UpConfig) -> None:
     model = config.model or str(ensure_tiny_model(Path("models/tiny-llama")))
+    log_dir = Path(config.log_dir) if config.log_dir else Path(tempfile.mkdtemp(prefix="stagemesh-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    drain = ["--drain-timeout-s", str(config.drain_timeout_s)]
+    signal.signal(signal.SIGTERM, _interrupt)  # while starting, SIGTERM is Ctrl-C: what started is stopped
     mesh, router = start_local_mesh(model, stages=config.stages, replicas=config.replicas, router_port=config.port,
                                     dtype=config.dtype, quantize=config.quantize, registry=config.registry,
-                                    prefill_chunk=config.prefill_chunk,
-                                    extra_stage_args=["--max-batch-tokens", str(config.max_batch_tokens)])
+                                    prefill_chunk=config.prefill_chunk, threads=config.threads, log_dir=log_dir,
+                                    extra_stage_args=["--max-batch-tokens", str(config.max_batch_tokens), *drain],
+                                    extra_router_args=drain)
+    policy = RestartPolicy(config.restart_backoff_s, config.restart_backoff_max_s, config.restart_reset_s)
+    supervisor = Supervisor(mesh, policy, info={"model": model, "router": router.address, "stages": config.stages,
+                                                "replicas": config.replicas, "drain_timeout_s": config.drain_timeout_s})
+    stop = threading.Event()
+
+    def on_signal(*_) -> None:
+        if stop.is_set():
+            raise KeyboardInterrupt  # a second Ctrl-C: no more waiting for drains
+        stop.set()
+
     try:
         chains = wait_for_chains(router.address, config.replicas)
-    except BaseException:
-        mesh.stop()
-        raise
+        supervisor.write_state()
+        _print_welcome(model, mesh, router, chains, supervisor)
+        signal.signal(signal.SIGINT, on_signal)
+        signal.signal(signal.SIGTERM, on_signal)
+        supervisor.run(stop)
+    finally:
+        stop.set()  # from now on a signal kills at once
+        print("stopping: the router first (it drains its streams), then the stages, then the scheduler", flush=True)
+        try:
+            mesh.shutdown(wait_s=config.drain_timeout_s + STOP_MARGIN_S)
+        except KeyboardInterrupt:
+            print("stopping now: killing every process", file=sys.stderr, flush=True)
+            mesh.kill()
+        supervisor.write_state(stopped=True)
+        print("stopped", flush=True)
+
+
+def _print_welcome(model: str, mesh: LocalMesh, router: Process, chains: list, supervisor: Supervisor) -> None:
     print(f"\nstagemesh is up for {model}; logs in {mesh.log_dir}")
     for proc in mesh.processes:
-        print(f"  {proc.name:<12} {proc.address}")
+        print(f"  {proc.name:<12} {proc.address:<22} pid {proc.pid}")
     print(f"\n{len(chains)} chain(s):")
     for chain in chains:
         print(f"  {chain.chain_id}: " + " -> ".join(f"{s.address}[{s.layer_start}:{s.layer_end}]"
@@ -227,20 +258,12 @@ Call it:
       {router.address} stagemesh.v1.Router/Generate
   python scripts/generate_client.py --router {router.address} "Once upon a time"
 
-Ctrl-C stops everything.""", flush=True)
-    stopping = []
-    signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
-    try:
-        while not stopping and all(p.popen.poll() is None for p in mesh.processes):
-            time.sleep(0.5)
-        for p in mesh.processes:
-            if p.popen.poll() is not None and not stopping:
-                print(f"{p.name} exited with {p.popen.returncode}; see {p.log_path}", file=sys.stderr)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        mesh.stop()
-        print("stopped", flush=True)
+A process that exits is started again (a stage rejoins through the registry); {supervisor.state_path} says
+who runs where. Restart every stage, one by one, without a failed request:
+  stagemesh roll --mesh {mesh.log_dir}
+
+Ctrl-C (or SIGTERM) stops everything: the router drains first, then the stages, then the scheduler.""",
+          flush=True)
 
 
 def ensure_tiny_model(path: Path) -> Path:

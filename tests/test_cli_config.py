@@ -35,6 +35,7 @@ MINIMAL = {
     "scheduler": ["--model", "m"],
     "plan": ["--model", "m"],
     "up": [],
+    "roll": ["--mesh", "d"],
 }
 """The fewest flags each subcommand builds a valid config from."""
 
@@ -115,6 +116,7 @@ def test_every_flag_is_a_config_field_and_every_knob_has_a_flag():
 def test_flag_defaults_are_the_dataclass_defaults(command):
     parsed = build(command)
     required = {"model": "m"} if command in ("stage", "router", "scheduler", "plan") else {}
+    required = {"mesh": "d"} if command == "roll" else required
     extra = {"stage": {"layer_start": 0, "layer_end": 4}, "router": {"chains": ["127.0.0.1:1"]}}.get(command, {})
     direct = cli.COMMANDS[command].config(**required, **extra)
     if command == "scheduler":
@@ -208,6 +210,12 @@ REFUSED = [
     (["up", "--prefill-chunk", "512", "--max-batch-tokens", "256"],
      "--prefill-chunk 512: more than --max-batch-tokens 256, the most a stage runs in one pass"),
     (["up", "--max-batch-tokens", "0"], "--max-batch-tokens 0: must be >= 1"),
+    (["up", "--threads", "0"], "--threads 0: must be >= 1"),
+    (["up", "--drain-timeout-s", "-1"], "--drain-timeout-s -1: must be >= 0"),
+    (["up", "--restart-backoff-s", "0"], "--restart-backoff-s 0: must be > 0"),
+    (["up", "--restart-backoff-s", "5", "--restart-backoff-max-s", "1"], "--restart-backoff-max-s 1: must be >= "),
+    (["up", "--restart-reset-s", "0"], "--restart-reset-s 0: must be > 0"),
+    (["roll", "--mesh", "d", "--timeout-s", "0"], "--timeout-s 0: must be > 0"),
 ]
 
 

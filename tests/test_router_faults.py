@@ -4,17 +4,19 @@ statuses that blame the session and not the chain, a bad request id, a slow firs
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from router.generation import GenerationConfig
+from router.generation import Backoff, GenerationConfig
 from router.server import RouterConfig, RouterServer
 from stage_server.batcher import BatcherConfig
 from stage_server.sessions import UnknownSession
 from stagemesh import grpc_server
+from stagemesh.errors import StatusError
 from stagemesh.link_proxy import LinkProxy
 from stagemesh.v1 import router_pb2, router_pb2_grpc, stage_pb2
 from tests.conftest import collect, hf_greedy, splits, start_mesh
@@ -90,6 +92,19 @@ async def test_a_full_pool_waits_with_backoff_then_refuses_clearly(tiny_model):
         assert len(ids) == 20
     finally:
         await mesh.stop()
+
+
+async def test_a_full_wait_lasts_max_full_wait_s_whatever_the_jitter():
+    """The waits add up to max_full_wait_s (the last one cut short), not a jittered delay less: the
+    request above used to give up after as little as 0.4 s of its 1.5."""
+    for seed in range(8):
+        random.seed(seed)
+        backoff = Backoff(None, 0.3)
+        with pytest.raises(StatusError) as err:
+            for _ in range(100):
+                await backoff.wait("full")
+        assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert backoff.waited == pytest.approx(0.3), seed
 
 
 def _open_calls(stage) -> int:

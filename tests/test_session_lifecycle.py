@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import gc
+import logging
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from router.chains import STAGE_SERVICE
+from stagemesh import tensor_codec
 from stagemesh.v1 import router_pb2, stage_pb2
 from tests.conftest import collect, hf_greedy, splits, start_mesh
 
@@ -83,7 +88,8 @@ async def test_preloaded_stage_reports_its_cold_start(tiny_model):
         await mesh.stop()
 
 
-async def test_a_chain_withdrawn_mid_stream_finishes_the_stream_then_closes_its_channels(tiny_model, hf_models):
+async def test_a_chain_withdrawn_mid_stream_finishes_the_stream_then_closes_its_channels(tiny_model, hf_models,
+                                                                                      caplog):
     own = await start_mesh(tiny_model, [splits(4, 4)])
     try:
         chain = own.router.chains.chains[0]
@@ -96,5 +102,50 @@ async def test_a_chain_withdrawn_mid_stream_finishes_the_stream_then_closes_its_
         assert ids == hf_greedy(hf_models["llama"], [5, 6, 7], 24)
         await asyncio.sleep(0.1)
         assert all(s._channel is None for s in chain.stages)
+        gc.collect()
+        # The stream's background CloseSession found its channel closed: that is expected, not an error.
+        assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     finally:
         await own.stop()
+
+
+async def test_a_draining_stage_lets_its_streams_end_and_takes_no_new_session(tiny_model, caplog):
+    """Drain in the stage server: NOT_SERVING and no new session at once; open streams keep stepping; when
+    the router ends them (it cancels a finished request's streams) the stage stops at once, and a stream's
+    end that races the server's shutdown is no error (it was logged as one, now and then: a few rounds)."""
+    greedy = stage_pb2.SamplingParams(temperature=0.0)
+
+    def step(sid: str, start: int, ids: list[int]) -> stage_pb2.ForwardRequest:
+        return stage_pb2.ForwardRequest(session_id=sid, start=start, sampling=greedy,
+                                        token_ids=tensor_codec.encode_ids(ids))
+
+    for _ in range(4):
+        own = await start_mesh(tiny_model, [splits(8)], router=False)
+        stage, stub = own.stages[0][0], own.stage_stub(0, 0)
+        try:
+            calls, tokens = [], []
+            for i in range(4):
+                await stub.OpenSession(stage_pb2.OpenSessionRequest(session_id=f"open{i}", max_length=16))
+                calls.append(stub.Forward())
+                await calls[i].write(step(f"open{i}", 0, [5, 6, 7 + i]))
+                tokens.append((await calls[i].read()).token_id)
+            stopping = asyncio.ensure_future(stage.stop(30))
+            await asyncio.sleep(0.2)
+            assert not stopping.done(), "the stage waits for its open streams"
+            health = await health_pb2_grpc.HealthStub(own.channels[0]).Check(
+                health_pb2.HealthCheckRequest(service=STAGE_SERVICE), timeout=5)
+            assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.OpenSession(stage_pb2.OpenSessionRequest(session_id="new", max_length=16), timeout=5)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            for i, call in enumerate(calls):
+                await call.write(step(f"open{i}", 3, [tokens[i]]))
+                assert (await call.read()).session_id == f"open{i}"
+            for call in calls:
+                call.cancel()
+                await asyncio.sleep(0.001)
+            await asyncio.wait_for(stopping, 5)
+            await asyncio.sleep(0.1)
+        finally:
+            await own.stop()
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]

@@ -1,0 +1,148 @@
+"""Drain, as real processes: SIGTERM to a stage that carries streams lets them finish on it (no failover,
+exact tokens) and the process exits by itself within its drain timeout."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import grpc
+import pytest
+
+from stagemesh.launcher import start_local_mesh, wait_for_chains
+from stagemesh.v1 import router_pb2, router_pb2_grpc, stage_pb2, stage_pb2_grpc
+from tests.conftest import hf_greedy
+
+DRAIN_S = 60.0
+"""Far more than the streams need, so that on a slow machine the drain still lets them finish."""
+MARGIN_S = 30.0
+STREAMS = 6
+TOKENS = 64
+PACE_MS = 20
+"""--batch-window-ms: every step waits this long at each stage, so that 64 tokens take >= 2.5 s on any
+machine and the streams are surely mid-flight when the SIGTERM lands."""
+
+
+class Stream(threading.Thread):
+    """One greedy Generate call, read token by token."""
+
+    def __init__(self, address: str, prompt: list[int], request_id: str):
+        super().__init__(daemon=True)
+        self.address, self.prompt, self.request_id = address, prompt, request_id
+        self.tokens: list[int] = []
+        self.finished = False
+        self.error: grpc.RpcError | None = None
+
+    def run(self) -> None:
+        request = router_pb2.GenerateRequest(token_ids=self.prompt, max_new_tokens=TOKENS, temperature=0.0,
+                                             request_id=self.request_id)
+        try:
+            with grpc.insecure_channel(self.address) as channel:
+                for response in router_pb2_grpc.RouterStub(channel).Generate(request, timeout=DRAIN_S + MARGIN_S):
+                    self.tokens.extend(response.token_ids)
+            self.finished = True
+        except grpc.RpcError as exc:
+            self.error = exc
+
+
+def open_sessions(address: str) -> int:
+    with grpc.insecure_channel(address) as channel:
+        return stage_pb2_grpc.StageStub(channel).Info(stage_pb2.InfoRequest(), timeout=10).open_sessions
+
+
+PROMPTS = [[5 + i, 17, 42, 9 + 3 * i, 100 + i] for i in range(STREAMS)]
+
+
+@pytest.fixture(scope="module")
+def expected(hf_models):
+    return [hf_greedy(hf_models["llama"], p, TOKENS) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def mesh(tiny_model, tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("drain")
+    mesh, router = start_local_mesh(
+        str(tiny_model), stages=2, replicas=2, router_port=0, registry="local", threads=1, log_dir=log_dir,
+        extra_stage_args=["--drain-timeout-s", str(DRAIN_S), "--batch-window-ms", str(PACE_MS)],
+        extra_router_args=["--drain-timeout-s", str(DRAIN_S)])
+    try:
+        assert len(wait_for_chains(router.address, 2, timeout=120)) == 2, "the mesh did not come up with 2 chains"
+        yield mesh, router
+    finally:
+        mesh.stop()
+
+
+def start_streams(router: str, tag: str) -> list[Stream]:
+    """STREAMS greedy streams, returned once each has a couple of tokens (all are mid-flight then)."""
+    streams = [Stream(router, p, f"{tag}-{i}") for i, p in enumerate(PROMPTS)]
+    for s in streams:
+        s.start()
+    deadline = time.monotonic() + 120
+    while not all(len(s.tokens) >= 2 or s.finished or s.error for s in streams):
+        assert time.monotonic() < deadline, "the streams did not start"
+        time.sleep(0.02)
+    return streams
+
+
+def finish(streams: list[Stream], expected: list[list[int]]) -> None:
+    """Every stream ended without an error, with exactly transformers' tokens."""
+    for s in streams:
+        s.join(timeout=DRAIN_S + MARGIN_S)
+    assert not [s.request_id for s in streams if s.is_alive()], "streams still running"
+    assert [(s.request_id, s.error) for s in streams if s.error] == []
+    for s, want in zip(streams, expected, strict=True):
+        assert s.finished and s.tokens == want, s.request_id
+
+
+def errors_in(path) -> list[str]:
+    return [line for line in path.read_text().splitlines() if '"level": "error"' in line or "Traceback" in line]
+
+
+def test_sigterm_drains_a_stage_its_streams_finish_exactly_and_it_exits(mesh, expected):
+    mesh, router = mesh
+    chains = wait_for_chains(router.address, 2, timeout=10)
+    streams = start_streams(router.address, "stage-drain")
+    # The victim: a stage that holds sessions right now (the router spreads the streams over both chains).
+    stages = [s.address for c in chains for s in c.stages]
+    loaded = {a: open_sessions(a) for a in stages}
+    victim_address = max(stages, key=loaded.get)
+    assert loaded[victim_address] >= 1, loaded
+    victim = next(p for p in mesh.processes if p.address == victim_address)
+    t0 = time.monotonic()
+    victim.popen.send_signal(signal.SIGTERM)
+    assert not [s.request_id for s in streams if s.finished], "every stream is mid-flight at the SIGTERM"
+
+    finish(streams, expected)
+    returncode = victim.popen.wait(timeout=DRAIN_S + MARGIN_S)
+    took = time.monotonic() - t0
+    assert returncode == 0, f"the drained stage exited with {returncode} (negative: killed by a signal)"
+    assert took < DRAIN_S + MARGIN_S
+    # Drained, not failed over: the router moved no stream off the stopping stage's chain.
+    router_log = (mesh.log_dir / "router.log").read_text()
+    assert "moving the stream" not in router_log, router_log[-3000:]
+    assert not errors_in(mesh.log_dir / "router.log")
+    assert not errors_in(victim.log_path)
+    assert "drained in" in victim.log_path.read_text()
+    # The rest of the mesh still serves.
+    with grpc.insecure_channel(router.address) as channel:
+        ids = [t for r in router_pb2_grpc.RouterStub(channel).Generate(
+            router_pb2.GenerateRequest(token_ids=PROMPTS[0], max_new_tokens=8), timeout=60) for t in r.token_ids]
+    assert ids == expected[0][:8]
+
+
+def test_sigterm_drains_the_router_its_streams_finish_exactly_and_it_exits(mesh, expected):
+    mesh, router = mesh
+    streams = start_streams(router.address, "router-drain")
+    t0 = time.monotonic()
+    router.popen.send_signal(signal.SIGTERM)
+    assert not [s.request_id for s in streams if s.finished], "every stream is mid-flight at the SIGTERM"
+    finish(streams, expected)
+    assert router.popen.wait(timeout=DRAIN_S + MARGIN_S) == 0
+    assert time.monotonic() - t0 < DRAIN_S + MARGIN_S
+    assert not errors_in(router.log_path)
+    assert "drained in" in router.log_path.read_text()
+    with pytest.raises(grpc.RpcError) as err, grpc.insecure_channel(router.address) as channel:
+        list(router_pb2_grpc.RouterStub(channel).Generate(router_pb2.GenerateRequest(token_ids=[5], max_new_tokens=2),
+                                                          timeout=10))
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE, "the router is gone"
