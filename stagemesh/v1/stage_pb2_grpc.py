@@ -74,7 +74,8 @@ class StageServicer:
         raise NotImplementedError('Method not implemented!')
 
     def CloseSession(self, request, context):
-        """Frees a session's KV cache. NOT_FOUND for an unknown session.
+        """Frees a session's KV cache. NOT_FOUND for an unknown session, and for one opened by another
+        caller (connection): only the opener may step or close a session.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
