@@ -10,12 +10,16 @@ import grpc
 from registry.state import EmbeddedRegistry
 from stagemesh import grpc_server
 from stagemesh.discovery import embedded as er
+from stagemesh.discovery.registry import MAX_VALUE_BYTES
 from stagemesh.errors import ErrorCodes, StatusInterceptor
 from stagemesh.signals import until_signalled
 from stagemesh.v1 import registry_pb2, registry_pb2_grpc
 
 log = logging.getLogger("stagemesh.registry")
 SERVICE_NAME = registry_pb2.DESCRIPTOR.services_by_name["Registry"].full_name
+MAX_REQUEST_BYTES = MAX_VALUE_BYTES + 64 * 1024
+"""The largest request the registry accepts: a KV value at its limit, its key and framing (records are
+smaller); gRPC refuses a larger one before buffering it."""
 
 
 ERROR_CODES: ErrorCodes = {ValueError: grpc.StatusCode.INVALID_ARGUMENT}
@@ -112,7 +116,7 @@ class RegistryServer:
         self._owns_registry = registry is None
         self.registry = registry or EmbeddedRegistry()
         self.host = host
-        self.server = grpc_server.new_server([StatusInterceptor(log, ERROR_CODES)])
+        self.server = grpc_server.new_server([StatusInterceptor(log, ERROR_CODES)], MAX_REQUEST_BYTES)
         add_registry_service(self.server, self.registry)
         self.health = grpc_server.add_health_and_reflection(self.server, [SERVICE_NAME])
         self.port = grpc_server.bind(self.server, host, port)

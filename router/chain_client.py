@@ -7,8 +7,8 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import secrets
 import time
-import uuid
 from dataclasses import dataclass, field
 
 import grpc
@@ -102,6 +102,8 @@ class Chain:
     step_ms: float = 0.0  # the slowest stage's median decode pass, as reported: the base of step timeouts
     max_batch_tokens: int = 0  # the smallest pass budget of its stages, as reported (0: not known yet)
     late_checks: int = 0  # health checks in a row that got no answer in time
+    fingerprint: str = ""  # what its stages serve (published, then as they report it)
+    problem: str = ""  # why its last check refused it (logged once), "" when it passed
     withdrawn: bool = False  # no longer published: its channels close when its last stream ends
 
     @property
@@ -152,7 +154,9 @@ class ChainSession:
         self.max_length = max_length
         self.request_id = request_id
         self.deadline = deadline  # loop.time() by which the request must be done
-        self.session_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
+        # 128 random bits: the id is what lets its opener step the session, so none can guess it; logs
+        # show the request id and a short prefix of it only.
+        self.session_id = secrets.token_hex(16)
         self.position = 0  # positions already in every stage's cache
         self._token_read_at: float | None = None  # when the last token came back, for TOKEN_TURNAROUND
         self._streams: list[grpc.aio.StreamStreamCall] = []

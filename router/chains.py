@@ -11,6 +11,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from router.chain_client import Chain, StageEndpoint
+from stagemesh.checkpoint import FINGERPRINT_DIGEST_CHARS, fingerprint_digest
 from stagemesh.v1 import stage_pb2, stage_pb2_grpc
 
 log = logging.getLogger("stagemesh.router")
@@ -33,10 +34,12 @@ def parse_chain(spec: str) -> Chain:
 
 
 class ChainSet:
-    def __init__(self, chains: list[Chain], num_layers: int, on_change: Callable[[bool], None] | None = None,
-                 prefill_chunk: int = 0):
+    def __init__(self, chains: list[Chain], num_layers: int, model_digest: str,
+                 on_change: Callable[[bool], None] | None = None, prefill_chunk: int = 0):
         self.chains = chains
         self.num_layers = num_layers
+        # The router's own checkpoint's (checkpoint.model_fingerprint): a chain serving another is refused.
+        self.model_digest = model_digest[:FINGERPRINT_DIGEST_CHARS]
         self.prefill_chunk = prefill_chunk  # the router's --prefill-chunk, checked against each chain's budget
         self.on_change = on_change
         self.plan = ""
@@ -55,7 +58,8 @@ class ChainSet:
             chain = existing.get(p.chain_id)
             if chain is None:
                 stages = [StageEndpoint(s.address, s.layer_start, s.layer_end) for s in p.stages]
-                chain = Chain(stages, chain_id=p.chain_id, healthy=False)  # healthy after its first check
+                chain = Chain(stages, chain_id=p.chain_id, healthy=False,  # healthy after its first check
+                              fingerprint=p.fingerprint)
             new.append(chain)
         gone = [c for c in self.chains if c.chain_id not in wanted_ids]
         self.chains = new
@@ -102,9 +106,10 @@ class ChainSet:
             self.on_change(bool(self.usable()))
 
     async def check(self, chain: Chain, timeout: float = 1.0) -> bool | None:
-        """A chain is healthy when every stage answers SERVING and together they cover all layers.
-        Also records the stages' load, which pick() weighs. None: a stage did not answer in time,
-        which alone proves nothing (a busy host, a paused event loop); refresh() needs it twice."""
+        """A chain is healthy when every stage answers SERVING, together they cover all layers, and they
+        serve one build of the router's own model. Also records the stages' load, which pick() weighs.
+        None: a stage did not answer in time, which alone proves nothing (a busy host, a paused event
+        loop); refresh() needs it twice."""
         try:
             infos = []
             for stage in chain.stages:
@@ -115,12 +120,18 @@ class ChainSet:
                     return False
                 infos.append(await stage_pb2_grpc.StageStub(stage.channel).Info(stage_pb2.InfoRequest(),
                                                                                timeout=timeout))
+            self._check_identity(chain, infos)
             self._check_layers(chain, infos)
         except grpc.RpcError as exc:
             return None if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED else False
         except ValueError as exc:
-            log.error(str(exc), extra={"chain": chain.chain_id})
+            if str(exc) != chain.problem:  # once, not at every check
+                log.error(f"{exc}: not using it", extra={"chain": chain.chain_id})
+                chain.problem = str(exc)
             return False
+        if chain.problem:
+            log.info(f"chain {chain.chain_id} ({chain.label}) passes its checks again", extra={"chain": chain.chain_id})
+            chain.problem = ""
         chain.queued_steps = max(i.queued_steps for i in infos)
         chain.kv_free_bytes = min(i.kv_capacity_bytes - i.kv_used_bytes for i in infos)
         chain.step_ms = max(i.step_ms for i in infos)
@@ -132,6 +143,18 @@ class ChainSet:
                             f"go through it in chunks of {budget}, not --prefill-chunk {self.prefill_chunk}",
                             extra={"chain": chain.chain_id})
         return True
+
+    def _check_identity(self, chain: Chain, infos: list[stage_pb2.StageInfo]) -> None:
+        """One model, one truth: every stage serves the same build (fingerprint), of the router's model."""
+        prints = list(dict.fromkeys(i.fingerprint for i in infos))
+        chain.fingerprint = ", ".join(prints)
+        if len(prints) > 1:
+            raise ValueError(f"chain {chain.label} mixes builds of the model: its stages serve "
+                             + ", ".join(f"{s.address} {i.fingerprint or '(none)'}"
+                                         for s, i in zip(chain.stages, infos, strict=True)))
+        if fingerprint_digest(prints[0]) != self.model_digest:
+            raise ValueError(f"chain {chain.label} serves model {fingerprint_digest(prints[0]) or '(not reported)'}, "
+                             f"not this router's {self.model_digest} (the digest of its --model checkpoint)")
 
     def _check_layers(self, chain: Chain, infos: list[stage_pb2.StageInfo]) -> None:
         expect = 0

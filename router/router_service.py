@@ -201,6 +201,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                     chain_id=c.chain_id,
                     healthy=c.healthy,
                     in_flight=c.in_flight,
+                    fingerprint=c.fingerprint,
                     stages=[router_pb2.StageRef(address=s.address, layer_start=s.layer_start,
                                                 layer_end=s.layer_end) for s in c.stages],
                 )

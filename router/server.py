@@ -13,6 +13,7 @@ from router.generation import GenerationConfig
 from router.priority_queue import AdmissionConfig, PriorityAdmission
 from router.router_service import RouterService
 from stagemesh import grpc_server, metrics
+from stagemesh.checkpoint import model_fingerprint
 from stagemesh.config_flags import PORT_RULE, refused
 from stagemesh.discovery.backends import open_registry
 from stagemesh.errors import StatusInterceptor
@@ -27,7 +28,8 @@ SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
 @dataclass
 class RouterConfig:
     model: str
-    """Local Hugging Face checkpoint directory: the router reads its tokenizer and config."""
+    """Local Hugging Face checkpoint directory: the router reads its tokenizer and config, and the weights'
+    headers for the model's digest, which every chain's stages must serve."""
     chains: list[str] = field(default_factory=list, metadata={"flag": "--chain"})
     """HOST:PORT,HOST:PORT,... one chain's stages in pipeline order; repeat for more chains."""
     host: str = "127.0.0.1"
@@ -89,7 +91,8 @@ class RouterServer:
         self.server = grpc_server.new_server([StatusInterceptor(log)], grpc_server.PUBLIC_MAX_MESSAGE_BYTES)
         self.health = grpc_server.add_health_and_reflection(self.server, [SERVICE_NAME])
         self.chains = ChainSet([parse_chain(c) for c in config.chains], model_config.num_hidden_layers,
-                               on_change=self._on_chains_change, prefill_chunk=config.generation.prefill_chunk)
+                               model_fingerprint(config.model), on_change=self._on_chains_change,
+                               prefill_chunk=config.generation.prefill_chunk)
         for chain in self.chains.chains:
             chain.healthy = False  # until the first health check passes
         self.admission = PriorityAdmission(config.admission, lambda: len(self.chains.usable()))

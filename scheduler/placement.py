@@ -25,6 +25,7 @@ class Host:
     memory_bytes: int  # budget for weights + KV cache
     speed: float = 1.0  # relative throughput; a weak host has < 1
     fixed_layers: tuple[int, int] | None = None  # started with --layers A:B: serves exactly that
+    fingerprint: str = ""  # what it serves (model digest/dtype/quantization): chains never mix two
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,7 @@ class StagePlan:
 @dataclass
 class ChainPlan:
     stages: list[StagePlan]
+    fingerprint: str = ""  # what every stage of it serves
 
     @property
     def host_ids(self) -> list[str]:
@@ -270,14 +272,33 @@ def _explain(model, config, hosts, chains, spare, free, notes) -> str:
 def plan(model: ModelFootprint, hosts: list[Host], config: PlacementConfig | None = None,
          previous: Plan | None = None) -> Plan:
     """Chains of (host, layer range) for these hosts; keeps `previous` chains that are still intact, so a
-    re-plan after a host leaves only touches its chain."""
+    re-plan after a host leaves only touches its chain. Hosts that serve different builds of the model
+    (fingerprints) never share a chain: each build's hosts are planned on their own (a rolling update
+    runs old and new chains side by side, never a mixed one)."""
     config = config or PlacementConfig()
     hosts = sorted(hosts, key=lambda h: h.host_id)
     by_id = {h.host_id: h for h in hosts}
     if len(by_id) != len(hosts) or any(h.speed <= 0 for h in hosts):
         raise ValueError("host ids must be unique and speeds positive")
+    builds = sorted({h.fingerprint for h in hosts})
+    if len(builds) <= 1:
+        return _plan_build(model, hosts, config, previous, builds[0] if builds else "")
+    parts = [_plan_build(model, [h for h in hosts if h.fingerprint == fp], config, previous, fp) for fp in builds]
+    named = ", ".join(fp or "?" for fp in builds)
+    lines = [f"{len(builds)} builds of the model among the hosts (fingerprints {named}): each build's hosts are "
+             "planned on their own, and no chain mixes two"]
+    for fp, part in zip(builds, parts, strict=True):
+        lines += [f"fingerprint {fp or '? (not announced)'}:", *("  " + line for line in part.explanation.splitlines())]
+    return Plan([c for p in parts for c in p.chains], [h for p in parts for h in p.spare], "\n".join(lines))
+
+
+def _plan_build(model: ModelFootprint, hosts: list[Host], config: PlacementConfig, previous: Plan | None,
+                fingerprint: str) -> Plan:
+    """plan() for hosts that all serve one build (fingerprint)."""
+    by_id = {h.host_id: h for h in hosts}
     chains = [(c, "kept from the previous plan: its hosts are all still here")
-              for c in (previous.chains if previous else []) if _still_valid(model, config, c, by_id)]
+              for c in (previous.chains if previous else [])
+              if c.fingerprint == fingerprint and _still_valid(model, config, c, by_id)]
     used = {s.host_id for c, _ in chains for s in c.stages}
     notes: list[str] = []
     fixed_chains, free = _fixed_chains(model, config, [h for h in hosts if h.fixed_layers and h.host_id not in used],
@@ -300,4 +321,6 @@ def plan(model: ModelFootprint, hosts: list[Host], config: PlacementConfig | Non
     serving = {s.host_id for c, _ in chains for s in c.stages}
     spare = [h.host_id for h in hosts if h.host_id not in serving]
     explanation = _explain(model, config, hosts, chains, spare, free, notes)
+    for c, _ in chains:
+        c.fingerprint = fingerprint
     return Plan([c for c, _ in chains], spare, explanation)

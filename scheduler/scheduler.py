@@ -84,7 +84,8 @@ def host_of(status: ServiceStatus, num_layers: int) -> placement.Host:
         raise ValueError(f"budget_bytes {budget} must be > 0")
     if not (math.isfinite(speed) and speed > 0):
         raise ValueError(f"speed {speed} must be finite and > 0")
-    return placement.Host(host_id=status.record.service_id, memory_bytes=budget, speed=speed, fixed_layers=fixed)
+    return placement.Host(host_id=status.record.service_id, memory_bytes=budget, speed=speed, fixed_layers=fixed,
+                          fingerprint=meta.get("fingerprint", ""))
 
 
 def serves(status: ServiceStatus, start: int, end: int) -> bool:
@@ -203,7 +204,7 @@ class Scheduler:
 
         ready = [
             PublishedChain(tuple(PublishedStage(s.host_id, live[s.host_id].record.address, s.layer_start,
-                                                s.layer_end) for s in chain.stages))
+                                                s.layer_end) for s in chain.stages), fingerprint=chain.fingerprint)
             for chain in new_plan.chains
             if all(serves(live[s.host_id], s.layer_start, s.layer_end) for s in chain.stages)
         ]

@@ -39,6 +39,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from stagemesh import grpc_server  # noqa: E402
+from stagemesh.checkpoint import model_fingerprint, serving_fingerprint  # noqa: E402
 from stagemesh.launcher import READY, ensure_tiny_model, stage_env  # noqa: E402
 from stagemesh.v1 import router_pb2, router_pb2_grpc, stage_pb2, stage_pb2_grpc  # noqa: E402
 
@@ -46,8 +47,9 @@ TURNAROUND_METRIC = "stagemesh_router_token_turnaround_seconds_bucket"
 
 
 class InstantStage(stage_pb2_grpc.StageServicer):
-    def __init__(self, num_layers: int, step_ms: float):
+    def __init__(self, num_layers: int, step_ms: float, fingerprint: str):
         self.num_layers = num_layers
+        self.fingerprint = fingerprint  # the router's model's: it refuses a chain of another
         self.step_s = step_ms / 1000
         self.turnarounds: list[float] = []  # token sent -> the same session's next step received
 
@@ -69,7 +71,7 @@ class InstantStage(stage_pb2_grpc.StageServicer):
 
     async def Info(self, request, context):
         return stage_pb2.StageInfo(layer_start=0, layer_end=self.num_layers, num_layers=self.num_layers,
-                                   is_first=True, is_last=True)
+                                   is_first=True, is_last=True, fingerprint=self.fingerprint)
 
     def dump(self, path: Path) -> None:
         """SIGUSR1: hand the samples so far to the benchmark (written whole, then renamed) and start afresh."""
@@ -79,8 +81,8 @@ class InstantStage(stage_pb2_grpc.StageServicer):
         self.turnarounds = []
 
 
-async def serve_instant_stage(num_layers: int, step_ms: float, dump_path: Path) -> None:
-    stage = InstantStage(num_layers, step_ms)
+async def serve_instant_stage(num_layers: int, step_ms: float, dump_path: Path, fingerprint: str) -> None:
+    stage = InstantStage(num_layers, step_ms, fingerprint)
     server = grpc_server.new_server()
     stage_pb2_grpc.add_StageServicer_to_server(stage, server)
     health = grpc_server.add_health_and_reflection(server, ["stagemesh.v1.Stage"])
@@ -172,7 +174,8 @@ def measure(model: str, layers: int, step_ms: float, streams_list: list[int], to
             repeats: int) -> list[dict]:
     dump_path = Path(f"/tmp/bench-router-{os.getpid()}.json")
     stage, stage_address = spawn([sys.executable, __file__, "--serve-instant-stage", str(layers),
-                                  "--step-ms", str(step_ms), "--dump", str(dump_path)])
+                                  "--step-ms", str(step_ms), "--dump", str(dump_path), "--fingerprint",
+                                  serving_fingerprint(model_fingerprint(model), "float32", "none")])
     metrics_port = free_port()
     router, router_address = spawn([sys.executable, "-m", "stagemesh.cli", "--log-level", "warning", "router",
                                     "--model", model, "--chain", stage_address, "--port", "0",
@@ -228,6 +231,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--serve-instant-stage", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--dump", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--fingerprint", default="", help=argparse.SUPPRESS)
     p.add_argument("--model", default=None, help="checkpoint for the router's tokenizer (default: tiny)")
     p.add_argument("--streams", default="1,100,1000", help="concurrent streams, e.g. 1,100,1000")
     p.add_argument("--tokens", type=int, default=32, help="new tokens per stream")
@@ -237,7 +241,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
     a = p.parse_args()
     if a.serve_instant_stage is not None:
-        asyncio.run(serve_instant_stage(a.serve_instant_stage, float(a.step_ms), a.dump))
+        asyncio.run(serve_instant_stage(a.serve_instant_stage, float(a.step_ms), a.dump, a.fingerprint))
         return
     model = a.model or str(ensure_tiny_model(Path("models/tiny-llama")))
     from transformers import AutoConfig

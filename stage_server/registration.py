@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
+import secrets
 from dataclasses import dataclass
 
 from stage_server.server import StageServer
@@ -34,13 +36,22 @@ class RegistrationConfig:
             raise ValueError(f"ttl_s {self.ttl_s}: must be > 0 seconds")
 
 
+def stage_id(address: str) -> str:
+    """The stage's id in the registry: its advertised address (unique across machines, unlike a bind
+    address such as 0.0.0.0:50061) and a part fresh in every process start. A restarted process is a new
+    stage (no sessions, perhaps another build of the model): it must not inherit its predecessor's
+    registration, assignment or place in a plan, and two processes that announce one address by mistake
+    show up as two registrations instead of overwriting each other's at every heartbeat."""
+    return f"stage-{re.sub(r'[^A-Za-z0-9.-]+', '-', address).strip('-')}-{secrets.token_hex(4)}"
+
+
 class Registration:
     def __init__(self, server: StageServer, registry: Registry, config: RegistrationConfig, fixed: bool):
         self.server = server
         self.registry = registry
         self.config = config
         self.fixed = fixed  # started with --layers: the scheduler uses it as it is
-        self.service_id = f"stage-{server.address.replace(':', '-')}"
+        self.service_id = stage_id(server.address)
         self._tasks: list[asyncio.Task] = []
         self._last_problem = ""
 
@@ -58,6 +69,7 @@ class Registration:
                 "speed": str(self.config.speed),
                 "dtype": self.server.config.dtype,
                 "device": str(self.server.device),
+                "fingerprint": self.server.fingerprint,
             },
         )
 

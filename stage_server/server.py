@@ -19,10 +19,17 @@ from stage_server.kv_pool import KVPool
 from stage_server.loader import load_stage
 from stage_server.model import StageModel, StepSlice
 from stage_server.quantize import loads_int8_weights, quantize
-from stage_server.sessions import SessionTable
+from stage_server.sessions import SessionTable, short_id
 from stage_server.stage_service import ERROR_CODES, StageService
 from stagemesh import grpc_server, metrics
-from stagemesh.checkpoint import QUANTIZE, Quantization, ServingDtype, read_config
+from stagemesh.checkpoint import (
+    QUANTIZE,
+    Quantization,
+    ServingDtype,
+    model_fingerprint,
+    read_config,
+    serving_fingerprint,
+)
 from stagemesh.config_flags import PORT_RULE, refused
 from stagemesh.errors import StatusError, StatusInterceptor
 from stagemesh.tracing import TracingConfig
@@ -31,6 +38,15 @@ from stagemesh.v1 import stage_pb2, stage_pb2_grpc
 log = logging.getLogger("stagemesh.stage")
 SERVICE_NAME = stage_pb2.DESCRIPTOR.services_by_name["Stage"].full_name
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+STEP_HEADROOM_BYTES = 1 << 20
+"""Room in a Forward message besides its hidden states: framing, ids, sampling, a row scale per token."""
+
+
+def max_step_bytes(max_batch_tokens: int, hidden_size: int) -> int:
+    """The largest Forward message a stage accepts: a whole pass's hidden states in float32 (the widest
+    wire dtype) and headroom. Routers send no larger chunk; anything larger is refused by gRPC
+    (RESOURCE_EXHAUSTED) from its length prefix, before it is buffered."""
+    return max_batch_tokens * hidden_size * 4 + STEP_HEADROOM_BYTES
 
 
 def parse_layers(spec: str) -> tuple[int, int | None]:
@@ -40,6 +56,25 @@ def parse_layers(spec: str) -> tuple[int, int | None]:
         return int(a), (int(b) if b else None)
     except ValueError:
         raise ValueError("use A:B (layers A..B-1), e.g. 0:4") from None
+
+
+def split_host_port(text: str) -> tuple[str, int | None]:
+    """--advertise: "HOST", "HOST:PORT", "[V6]" or "[V6]:PORT" -> (host, port or None); a bare IPv6
+    address is a host."""
+    if text.startswith("["):
+        host, sep, rest = text[1:].partition("]")
+        if not sep or rest[:1] not in ("", ":"):
+            raise ValueError("use HOST, HOST:PORT or [IPv6]:PORT")
+        port = rest[1:] or None
+    elif text.count(":") == 1:
+        host, port = text.split(":")
+    else:
+        host, port = text, None
+    if not host or grpc_server.is_wildcard(host):
+        raise ValueError("give the host others reach this stage at, not a wildcard")
+    if port is not None and not (port.isdigit() and 0 < int(port) < 65536):
+        raise ValueError(f"port {port!r} must be 1..65535")
+    return host, int(port) if port else None
 
 
 @dataclass
@@ -52,9 +87,12 @@ class StageConfig:
     layer_end: int | None = field(default=None, metadata={"flag": "--layers"})
     """None: through the last layer."""
     host: str = "127.0.0.1"
-    """The address to serve on."""
+    """The address to serve on (a wildcard such as 0.0.0.0 or :: needs --advertise)."""
     port: int = 0
     """0 picks a free port."""
+    advertise: str = field(default="", metadata={"metavar": "HOST[:PORT]"})
+    """The address others reach this stage at: registered in the registry, shown in logs, part of the
+    stage's id (default: --host and the bound port; PORT defaults to the bound port)."""
     device: str = "auto"
     """auto, cpu or cuda (cuda:N for one of several)."""
     dtype: ServingDtype = "float32"
@@ -63,6 +101,10 @@ class StageConfig:
     """KV cache pool size (default: a quarter of the memory available at start)."""
     session_timeout_s: float = field(default=300.0, metadata={"flag": "--session-timeout"})
     """Seconds after which an idle session is closed and its cache freed."""
+    unstepped_session_timeout_s: float = 30.0
+    """Seconds after which a session opened and never stepped is closed: opening sessions without
+    stepping them must not hold the KV pool for the whole idle timeout. Longer than the first step of
+    a session can take to reach this stage (a long prompt's first chunk through the stages before it)."""
     stall_timeout_s: float = 30.0
     """Health turns NOT_SERVING while steps wait and no pass has finished for this long (a stuck
     compute thread), so that routers stop sending it work; it turns back when passes finish again."""
@@ -110,6 +152,17 @@ class StageConfig:
             raise refused(self, "kv_cache_gb", "must be > 0 GiB (leave it out for a quarter of the available memory)")
         if not self.session_timeout_s > 0:
             raise refused(self, "session_timeout_s", "must be > 0 seconds (how long an idle session keeps its cache)")
+        if not self.unstepped_session_timeout_s > 0:
+            raise refused(self, "unstepped_session_timeout_s", "must be > 0 seconds (longer than a router takes "
+                                                               "from opening a session to its first step)")
+        if self.advertise:
+            try:
+                split_host_port(self.advertise)
+            except ValueError as exc:
+                raise refused(self, "advertise", str(exc)) from None
+        elif not self.host or grpc_server.is_wildcard(self.host):
+            raise refused(self, "host", "listens on every interface, which is no address others can reach; "
+                                        "give --advertise HOST[:PORT], the address to register and reach it at")
         if not self.stall_timeout_s > 0:
             raise refused(self, "stall_timeout_s", "must be > 0 seconds (longer than the slowest honest pass)")
         if not self.drain_timeout_s >= 0:
@@ -203,12 +256,20 @@ class StageServer:
     def __init__(self, config: StageConfig):
         self.config = config
         self.device = resolve_device(config.device)
-        self.num_layers = read_config(config.model)["num_hidden_layers"]
-        self.server = grpc_server.new_server([StatusInterceptor(log, ERROR_CODES)])
+        model_config = read_config(config.model)
+        self.num_layers = model_config["num_hidden_layers"]
+        # What this stage serves (checkpoint.serving_fingerprint): registered, and in Stage/Info.
+        self.fingerprint = serving_fingerprint(model_fingerprint(config.model), config.dtype, config.quantize)
+        self.server = grpc_server.new_server(
+            [StatusInterceptor(log, ERROR_CODES)],
+            max_step_bytes(config.batcher.max_batch_tokens, model_config["hidden_size"]))
         self.slot = StageSlot()
         stage_pb2_grpc.add_StageServicer_to_server(self.slot, self.server)
         self.health = grpc_server.add_health_and_reflection(self.server, [SERVICE_NAME])
         self.port = grpc_server.bind(self.server, config.host, config.port)
+        host, port = split_host_port(config.advertise) if config.advertise else (config.host, None)
+        # Where others reach this stage (--advertise, else the bind address): registered and logged.
+        self.address = grpc_server.host_port(host, port or self.port)
         self.model: StageModel | None = None
         self.pool: KVPool | None = None
         self.sessions: SessionTable | None = None
@@ -217,8 +278,8 @@ class StageServer:
         self._tasks: list[asyncio.Task] = []
 
     @property
-    def address(self) -> str:
-        return f"{self.config.host}:{self.port}"
+    def bind_address(self) -> str:
+        return grpc_server.host_port(self.config.host, self.port)
 
     @property
     def layers(self) -> tuple[int, int] | None:
@@ -258,11 +319,12 @@ class StageServer:
         self.batcher = StepBatcher(model, config.batcher)
         self.batcher.start()
         self.model = model
-        self.slot.current = StageService(model, self.sessions, self.batcher, config.model_name)
+        self.slot.current = StageService(model, self.sessions, self.batcher, config.model_name, self.fingerprint)
         await grpc_server.set_serving(self.health, [SERVICE_NAME], True)
+        bound = f", bound to {self.bind_address}" if self.bind_address != self.address else ""
         log.info(
-            f"stage serving layers {model.layer_start}:{model.layer_end} of {args.num_layers} on {self.address} "
-            f"({model.dtype}, {model.device})",
+            f"stage serving layers {model.layer_start}:{model.layer_end} of {args.num_layers} on {self.address}"
+            f"{bound} ({model.dtype}, {model.device}, model {self.fingerprint})",
             extra={"stage": self.address},
         )
 
@@ -311,13 +373,16 @@ class StageServer:
                         extra={"stage": self.address})
 
     async def _reap_idle(self) -> None:
-        period = min(5.0, self.config.session_timeout_s / 2)
+        """Closes idle sessions, and unstepped ones soon: ticks at a quarter of the shorter timeout (at
+        most a second), so that a session outlives its timeout by little."""
+        timeout, unstepped = self.config.session_timeout_s, self.config.unstepped_session_timeout_s
+        period = min(1.0, min(timeout, unstepped) / 4)
         while True:
             await asyncio.sleep(period)
             if self.sessions is None:
                 continue
-            for sid in self.sessions.expire_idle(self.config.session_timeout_s):
-                log.info("session expired", extra={"session_id": sid})
+            for sid in self.sessions.expire_idle(timeout, unstepped):
+                log.info("session expired", extra={"session_id": short_id(sid)})
 
     def _export_gauges(self) -> None:
         if self.sessions is None or self.pool is None or self.batcher is None:

@@ -1,4 +1,4 @@
-"""The inference sessions a stage holds: their KV caches, sampling state and idle clocks."""
+"""The inference sessions a stage holds: their KV caches, sampling state, idle clocks and openers."""
 
 from __future__ import annotations
 
@@ -6,6 +6,15 @@ import time
 from dataclasses import dataclass, field
 
 from stage_server.kv_pool import KVPool, SessionCache
+
+LOGGED_ID_CHARS = 8
+"""How much of a session id logs show: enough to follow a session, never enough to use it (the id is
+what lets its opener step it)."""
+
+
+def short_id(session_id: str) -> str:
+    """A session id as logs show it."""
+    return session_id[:LOGGED_ID_CHARS]
 
 
 class SessionError(Exception):
@@ -29,7 +38,11 @@ class Session:
     session_id: str
     request_id: str
     cache: SessionCache
+    owner: str = ""
+    """Who opened it (the caller's connection): only they may step or close it."""
     last_used: float = field(default_factory=time.monotonic)
+    stepped: bool = False
+    """Has had a step: until then it expires after the short unstepped timeout."""
     closed: bool = False
 
 
@@ -40,7 +53,7 @@ class SessionTable:
         self.sessions: dict[str, Session] = {}
         self.open_attempts = 0  # refused ones too: how hard callers press on this stage
 
-    def open(self, session_id: str, max_length: int, request_id: str = "") -> Session:
+    def open(self, session_id: str, max_length: int, request_id: str = "", owner: str = "") -> Session:
         self.open_attempts += 1
         if not session_id:
             raise SessionError("session_id is empty; choose a unique id per session")
@@ -51,30 +64,39 @@ class SessionTable:
                 f"max_length {max_length} is outside 1..{self.max_position} (the model's context)"
             )
         cache = self.pool.allocate(max_length)  # raises PoolExhausted
-        session = Session(session_id, request_id, cache)
+        session = Session(session_id, request_id, cache, owner)
         self.sessions[session_id] = session
         return session
 
-    def get(self, session_id: str) -> Session:
+    def get(self, session_id: str, owner: str = "") -> Session:
+        """The session, for a step by owner. Another caller's session is as unknown to it as one that
+        never existed: the answer must not tell a prober that the id is in use."""
         session = self.sessions.get(session_id)
-        if session is None:
+        if session is None or session.owner != owner:
             raise UnknownSession(
                 f"no open session {session_id!r} on this stage (never opened, closed, or expired)"
             )
         session.last_used = time.monotonic()
+        session.stepped = True
         return session
 
-    def close(self, session_id: str) -> bool:
-        session = self.sessions.pop(session_id, None)
-        if session is None:
+    def close(self, session_id: str, owner: str | None = None) -> bool:
+        """Frees the session; owner None is the stage itself (stream end, expiry, slice swap). False:
+        no such session, or not owner's."""
+        session = self.sessions.get(session_id)
+        if session is None or (owner is not None and session.owner != owner):
             return False
+        del self.sessions[session_id]
         session.closed = True
         self.pool.release(session.cache)
         return True
 
-    def expire_idle(self, timeout_s: float) -> list[str]:
+    def expire_idle(self, timeout_s: float, unstepped_timeout_s: float | None = None) -> list[str]:
+        """Closes sessions idle for timeout_s, and those never stepped for unstepped_timeout_s (opening
+        sessions without stepping them must not hold the pool for the long idle timeout)."""
         now = time.monotonic()
-        idle = [sid for sid, s in self.sessions.items() if now - s.last_used > timeout_s]
+        short = timeout_s if unstepped_timeout_s is None else min(timeout_s, unstepped_timeout_s)
+        idle = [sid for sid, s in self.sessions.items() if now - s.last_used > (timeout_s if s.stepped else short)]
         for sid in idle:
             self.close(sid)
         return idle

@@ -14,7 +14,15 @@ from stage_server.batcher import BatcherStopped, OutOfMemory, StepBatcher, StepR
 from stage_server.kv_pool import PoolExhausted
 from stage_server.model import StageModel
 from stage_server.sampling import Sampling
-from stage_server.sessions import SessionError, SessionExists, SessionTable, SessionTooLong, UnknownSession
+from stage_server.sessions import (
+    Session,
+    SessionError,
+    SessionExists,
+    SessionTable,
+    SessionTooLong,
+    UnknownSession,
+    short_id,
+)
 from stagemesh import metrics, tensor_codec
 from stagemesh.errors import ErrorCodes, StatusError
 from stagemesh.request_limits import InvalidSampling
@@ -52,31 +60,42 @@ this); anything else a handler raises is a bug: INTERNAL, logged, its text kept 
 A step that failed alone in its pass (batcher.StepFailed) is such a bug, of that step only."""
 
 
+def caller_of(context: grpc.aio.ServicerContext) -> str:
+    """Who is calling, as far as session ownership goes: the caller's connection. A router's channel
+    to a stage is one connection, so its OpenSession, Forward and CloseSession calls share it; a
+    session id seen elsewhere (a log, a capture) is of no use from any other connection."""
+    return context.peer()
+
+
 class StageService(stage_pb2_grpc.StageServicer):
-    def __init__(self, model: StageModel, sessions: SessionTable, batcher: StepBatcher, model_name: str):
+    def __init__(self, model: StageModel, sessions: SessionTable, batcher: StepBatcher, model_name: str,
+                 fingerprint: str):
         self.model = model
         self.sessions = sessions
         self.batcher = batcher
         self.model_name = model_name
+        self.fingerprint = fingerprint
 
     async def OpenSession(self, request, context):
-        self.sessions.open(request.session_id, request.max_length, request.request_id)
-        log.info("session opened", extra={"session_id": request.session_id,
+        self.sessions.open(request.session_id, request.max_length, request.request_id, caller_of(context))
+        log.info("session opened", extra={"session_id": short_id(request.session_id),
                                           "request_id": request.request_id})
         return stage_pb2.OpenSessionResponse(session_id=request.session_id)
 
     async def CloseSession(self, request, context):
-        if not self.sessions.close(request.session_id):
+        if not self.sessions.close(request.session_id, caller_of(context)):
             raise StatusError(grpc.StatusCode.NOT_FOUND, f"no open session {request.session_id!r}")
         return stage_pb2.CloseSessionResponse()
 
     async def Forward(self, request_iterator, context):
+        caller = caller_of(context)
         touched: set[str] = set()
         try:
             async for request in request_iterator:
                 metrics.WIRE_BYTES.labels("in").inc(request.ByteSize())
-                touched.add(request.session_id)
-                result = await self.batcher.submit(self._to_step(request))
+                session = self.sessions.get(request.session_id, caller)  # only the opener's, else NOT_FOUND
+                touched.add(session.session_id)
+                result = await self.batcher.submit(self._to_step(request, session))
                 response = stage_pb2.ForwardResponse(session_id=request.session_id)
                 if result.hidden is not None:
                     response.hidden.CopyFrom(tensor_codec.encode_hidden(result.hidden, request.wire_dtype))
@@ -90,11 +109,10 @@ class StageService(stage_pb2_grpc.StageServicer):
             # The stream is the session's lifeline: when it ends (done, cancelled, caller gone),
             # nothing will step these sessions again.
             for sid in touched:
-                if self.sessions.close(sid):
-                    log.info("session closed with its stream", extra={"session_id": sid})
+                if self.sessions.close(sid, caller):
+                    log.info("session closed with its stream", extra={"session_id": short_id(sid)})
 
-    def _to_step(self, request: stage_pb2.ForwardRequest) -> StepRequest:
-        session = self.sessions.get(request.session_id)
+    def _to_step(self, request: stage_pb2.ForwardRequest, session: Session) -> StepRequest:
         model, args = self.model, self.model.args
         which = request.WhichOneof("input")
         if model.is_first:
@@ -166,4 +184,5 @@ class StageService(stage_pb2_grpc.StageServicer):
             step_ms=self.batcher.step_ms,
             load_s=model.load_s,
             max_batch_tokens=self.batcher.config.max_batch_tokens,
+            fingerprint=self.fingerprint,
         )

@@ -6,6 +6,7 @@ this module, so they cannot disagree about a model.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -150,7 +151,7 @@ def stage_sources(args: ModelArgs, layer_start: int, layer_end: int) -> dict[str
 
 def _read_header(path: Path) -> dict[str, dict]:
     with open(path, "rb") as f:
-        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        header = json.loads(_header_bytes(f)[0])
     header.pop("__metadata__", None)
     return header
 
@@ -166,6 +167,12 @@ def weight_files(model_dir: str | Path) -> dict[str, Path]:
     if not single.exists():
         raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {model_dir}")
     return {name: single for name in _read_header(single)}
+
+
+def _header_bytes(f) -> tuple[bytes, int]:
+    """A safetensors file's raw header, and where its data begins."""
+    size = int.from_bytes(f.read(8), "little")
+    return f.read(size), 8 + size
 
 
 def tensor_headers(model_dir: str | Path) -> dict[str, dict]:
@@ -240,3 +247,55 @@ class ModelFootprint:
                        kv_bytes_per_token_per_layer=kv)
         return cls(num_layers=len(layers), layer_bytes=max(layers.values()), embed_bytes=embed,
                    head_bytes=head + embed * tied, kv_bytes_per_token_per_layer=kv, tied_embeddings=tied)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json")
+PROBE_BYTES = 64
+"""Bytes read at the start, middle and end of each tensor for the model digest."""
+
+
+def model_fingerprint(model_dir: str | Path) -> str:
+    """A digest (hex) of what makes a model this model: config.json, the tokenizer files, each weight
+    file's name, size and safetensors header, and a 64-byte probe at the start, middle and end of every
+    tensor. Stages, routers and the scheduler compare it so that one chain never mixes two builds.
+
+    The probes are the only tensor bytes read (a few KiB in all): headers and sizes alone cannot tell a
+    fine-tune, or another seed, from its base model, since their shapes and offsets are the same."""
+    model_dir = Path(model_dir)
+    digest = hashlib.sha256()
+
+    def add(label: str, data: bytes) -> None:
+        digest.update(f"{label}\0{len(data)}\0".encode())
+        digest.update(data)
+
+    add("config.json", (model_dir / "config.json").read_bytes())
+    for name in TOKENIZER_FILES:
+        if (model_dir / name).is_file():
+            add(name, (model_dir / name).read_bytes())
+    for path in sorted(set(weight_files(model_dir).values())):
+        with open(path, "rb") as f:
+            header, data_start = _header_bytes(f)
+            add(f"{path.name} {path.stat().st_size}", header)
+            tensors = json.loads(header)
+            for name in sorted(k for k in tensors if k != "__metadata__"):
+                begin, end = tensors[name]["data_offsets"]
+                for at in sorted({begin, max(begin, (begin + end) // 2 - PROBE_BYTES // 2),
+                                  max(begin, end - PROBE_BYTES)}):
+                    f.seek(data_start + at)
+                    add(name, f.read(min(PROBE_BYTES, end - at)))
+    return digest.hexdigest()
+
+
+FINGERPRINT_DIGEST_CHARS = 16
+
+
+def serving_fingerprint(model_digest: str, dtype: str, quantize: str) -> str:
+    """What a stage serves, as it registers it and Stage/Info reports it: "<digest[:16]>/<dtype>/<quantize>".
+    Stages of one chain must agree on all of it; a router also checks the digest against its own."""
+    return f"{model_digest[:FINGERPRINT_DIGEST_CHARS]}/{dtype}/{quantize}"
+
+
+def fingerprint_digest(fingerprint: str) -> str:
+    """The model digest part of a serving fingerprint ("" when there is none)."""
+    return fingerprint.split("/", 1)[0]

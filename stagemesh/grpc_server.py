@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Sequence
 
 import grpc
@@ -85,11 +86,24 @@ async def set_serving(servicer: health.aio.HealthServicer, service_names: list[s
         await servicer.set(name, status)
 
 
+def host_port(host: str, port: int) -> str:
+    """"host:port", with an IPv6 address in brackets ("[::1]:50061")."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+def is_wildcard(host: str) -> bool:
+    """0.0.0.0, :: and the like: an address to listen on, never one to reach a server at."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_unspecified
+    except ValueError:
+        return False
+
+
 def bind(server: grpc.aio.Server, host: str, port: int) -> int:
     """Binds host:port (port 0 picks a free one) and returns the port bound."""
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = server.add_insecure_port(host_port(host, port))
     if bound == 0:
-        raise OSError(f"cannot bind {host}:{port}: is the port in use?")
+        raise OSError(f"cannot bind {host_port(host, port)}: is the port in use?")
     return bound
 
 

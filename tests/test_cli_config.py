@@ -186,6 +186,13 @@ REFUSED = [
     (["stage", "--model", "m", "--registry", "local://127.0.0.1:1", "--memory-gb", "0"], "--memory-gb 0: must be > 0"),
     (["stage", *MINIMAL["stage"], "--kv-cache-gb", "-1"], "--kv-cache-gb -1: must be > 0"),
     (["stage", *MINIMAL["stage"], "--session-timeout", "-5"], "--session-timeout -5: must be > 0"),
+    (["stage", *MINIMAL["stage"], "--unstepped-session-timeout-s", "0"],
+     "--unstepped-session-timeout-s 0: must be > 0"),
+    (["stage", *MINIMAL["stage"], "--host", "0.0.0.0"], "--host 0.0.0.0: listens on every interface, which is no "
+                                                         "address others can reach; give --advertise HOST[:PORT]"),
+    (["stage", *MINIMAL["stage"], "--host", "::"], "--host ::: listens on every interface"),
+    (["stage", *MINIMAL["stage"], "--advertise", "0.0.0.0:50061"], "--advertise 0.0.0.0:50061: give the host others"),
+    (["stage", *MINIMAL["stage"], "--advertise", "host:0"], "--advertise host:0: port '0' must be 1..65535"),
     (["stage", *MINIMAL["stage"], "--threads", "0"], "--threads 0: must be >= 1"),
     (["stage", *MINIMAL["stage"], "--port", "65536"], "--port 65536: must be 0..65535"),
     (["stage", *MINIMAL["stage"], "--max-batch-tokens", "0"], "--max-batch-tokens 0: must be >= 1"),

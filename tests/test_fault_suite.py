@@ -30,7 +30,9 @@ CLEAR = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
 @pytest.fixture(scope="module")
 def pm(tiny_model, tmp_path_factory):
     mesh = FaultMesh(str(tiny_model), tmp_path_factory.mktemp("fault-logs"), num_layers=8,
-                     stage_args=("--kv-cache-gb", "0.02", "--stall-timeout-s", "5", "--drain-timeout-s", "1"),
+                     stage_args=("--kv-cache-gb", "0.02", "--stall-timeout-s", "5", "--drain-timeout-s", "1",
+                                 # the full-pool fault's sessions, never stepped, hold the pool all along
+                                 "--unstepped-session-timeout-s", "120"),
                      router_args=("--health-interval-s", "0.2", "--step-timeout-s", "2", "--max-full-wait-s", "5"))
     yield mesh
     mesh.stop()
@@ -147,24 +149,25 @@ async def test_200ms_one_way_delay_on_a_link(pm, expected):
 async def test_a_full_kv_pool_on_one_stage(pm, expected):
     """Sessions fill a stage's pool (opened directly, never stepped): requests go to the other chain."""
     held = []
+    channels = []  # the hog's connection: only the opener of a session may close it
 
     def fill():
         i = pm.busy_stage(0)
-        with grpc.insecure_channel(f"127.0.0.1:{pm.ports[i]}") as channel:
-            stub = stage_pb2_grpc.StageStub(channel)
-            for n in range(200):
-                try:
-                    stub.OpenSession(stage_pb2.OpenSessionRequest(session_id=f"hog-{n}", max_length=2048), timeout=5)
-                    held.append((i, f"hog-{n}"))
-                except grpc.RpcError as exc:
-                    assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-                    break
+        channels.append(grpc.insecure_channel(f"127.0.0.1:{pm.ports[i]}"))
+        stub = stage_pb2_grpc.StageStub(channels[0])
+        for n in range(200):
+            try:
+                stub.OpenSession(stage_pb2.OpenSessionRequest(session_id=f"hog-{n}", max_length=2048), timeout=5)
+                held.append(f"hog-{n}")
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                break
 
     def release():
-        for i, sid in held:
-            with grpc.insecure_channel(f"127.0.0.1:{pm.ports[i]}") as channel:
-                stage_pb2_grpc.StageStub(channel).CloseSession(stage_pb2.CloseSessionRequest(session_id=sid),
-                                                               timeout=5)
+        with channels[0]:
+            for sid in held:
+                stage_pb2_grpc.StageStub(channels[0]).CloseSession(stage_pb2.CloseSessionRequest(session_id=sid),
+                                                                   timeout=5)
 
     await run_fault(pm, expected, fill, release)
     assert held

@@ -39,10 +39,11 @@ class ControlPlane:
         self.schedulers.append((scheduler, asyncio.get_running_loop().create_task(scheduler.run())))
         return scheduler
 
-    async def add_stage(self, share_of_model: float) -> StageServer:
-        """A stage without --layers whose memory holds this share of the model (besides KV headroom)."""
+    async def add_stage(self, share_of_model: float, model=None) -> StageServer:
+        """A stage without --layers whose memory holds this share of the model (besides KV headroom);
+        `model` serves another checkpoint under the same name (another build)."""
         budget = int(self.footprint.total_bytes * share_of_model / 0.8)
-        server = StageServer(StageConfig(model=str(self.model), registry=self.url, kv_cache_gb=0.5))
+        server = StageServer(StageConfig(model=str(model or self.model), registry=self.url, kv_cache_gb=0.5))
         await server.start()
         registration = Registration(server, open_registry(self.url),
                                     RegistrationConfig(self.model.name, budget, ttl_s=1.0), fixed=False)

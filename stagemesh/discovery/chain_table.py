@@ -23,13 +23,16 @@ class PublishedStage:
 class PublishedChain:
     stages: tuple[PublishedStage, ...]
     chain_id: str = field(default="")
+    fingerprint: str = ""
+    """What every stage of it serves (checkpoint.serving_fingerprint); "" from schedulers before it."""
 
     def __post_init__(self) -> None:
         if not self.chain_id:
-            # Same stages, same id: routers keep their counters and channels across re-publications.
+            # Same stages and build, same id: routers keep their counters and channels across
+            # re-publications; another build on the same addresses is another chain.
             digest = hashlib.sha1(
-                "|".join(f"{s.address}:{s.layer_start}:{s.layer_end}" for s in self.stages).encode()
-            ).hexdigest()[:10]
+                "|".join([self.fingerprint, *(f"{s.address}:{s.layer_start}:{s.layer_end}" for s in self.stages)])
+                .encode()).hexdigest()[:10]
             object.__setattr__(self, "chain_id", f"chain-{digest}")
 
     @property
@@ -59,9 +62,9 @@ def _chain(c: dict) -> PublishedChain:
     if not stages or stages[0].layer_start != 0 or any(
             a.layer_end != b.layer_start for a, b in zip(stages, stages[1:], strict=False)):
         raise ValueError(f"chain {c.get('chain_id')!r}: its stages do not cover contiguous layers from 0")
-    if not isinstance(c["chain_id"], str):
-        raise ValueError("chain_id must be a string")
-    return PublishedChain(stages, c["chain_id"])
+    if not isinstance(c["chain_id"], str) or not isinstance(c.get("fingerprint", ""), str):
+        raise ValueError("chain_id and fingerprint must be strings")
+    return PublishedChain(stages, c["chain_id"], c.get("fingerprint", ""))
 
 
 def _stage(s: dict) -> PublishedStage:

@@ -87,16 +87,18 @@ class StageRef(_message.Message):
     def __init__(self, address: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ...) -> None: ...
 
 class Chain(_message.Message):
-    __slots__ = ("chain_id", "stages", "healthy", "in_flight")
+    __slots__ = ("chain_id", "stages", "healthy", "in_flight", "fingerprint")
     CHAIN_ID_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     chain_id: str
     stages: _containers.RepeatedCompositeFieldContainer[StageRef]
     healthy: bool
     in_flight: int
-    def __init__(self, chain_id: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StageRef, _Mapping]]] = ..., healthy: _Optional[bool] = ..., in_flight: _Optional[int] = ...) -> None: ...
+    fingerprint: str
+    def __init__(self, chain_id: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StageRef, _Mapping]]] = ..., healthy: _Optional[bool] = ..., in_flight: _Optional[int] = ..., fingerprint: _Optional[str] = ...) -> None: ...
 
 class ListChainsResponse(_message.Message):
     __slots__ = ("model", "chains", "plan")

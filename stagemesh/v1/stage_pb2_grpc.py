@@ -74,7 +74,8 @@ class StageServicer:
         raise NotImplementedError('Method not implemented!')
 
     def CloseSession(self, request, context):
-        """Frees a session's KV cache. NOT_FOUND for an unknown session.
+        """Frees a session's KV cache. NOT_FOUND for an unknown session, and for one opened by another
+        caller (connection): only the opener may step or close a session.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -82,7 +83,10 @@ class StageServicer:
 
     def Forward(self, request_iterator, context):
         """Forward steps of open sessions, answered in order. Sessions stepped on a stream
-        are closed when that stream ends, so a vanished caller never leaks a cache.
+        are closed when that stream ends, so a vanished caller never leaks a cache. A step of a
+        session opened on another connection is NOT_FOUND. Messages larger than a whole pass's
+        hidden states in float32 (--max-batch-tokens x hidden size x 4 bytes, plus 1 MiB) are
+        RESOURCE_EXHAUSTED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
