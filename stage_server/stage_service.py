@@ -24,7 +24,7 @@ from stage_server.sessions import (
     short_id,
 )
 from stagemesh import metrics, tensor_codec
-from stagemesh.errors import ErrorCodes, StatusError
+from stagemesh.errors import ErrorCodes, StatusError, request_id_of
 from stagemesh.request_limits import InvalidSampling
 from stagemesh.v1 import stage_pb2, stage_pb2_grpc
 
@@ -69,17 +69,21 @@ def caller_of(context: grpc.aio.ServicerContext) -> str:
 
 class StageService(stage_pb2_grpc.StageServicer):
     def __init__(self, model: StageModel, sessions: SessionTable, batcher: StepBatcher, model_name: str,
-                 fingerprint: str):
+                 fingerprint: str, address: str = ""):
+        self.address = address  # in every log line, with the request id: a request is followed across hops
         self.model = model
         self.sessions = sessions
         self.batcher = batcher
         self.model_name = model_name
         self.fingerprint = fingerprint
 
+    def _extra(self, session_id: str, request_id: str) -> dict[str, str]:
+        return {"session_id": short_id(session_id), "request_id": request_id, "stage": self.address}
+
     async def OpenSession(self, request, context):
-        self.sessions.open(request.session_id, request.max_length, request.request_id, caller_of(context))
-        log.info("session opened", extra={"session_id": short_id(request.session_id),
-                                          "request_id": request.request_id})
+        request_id = request.request_id or request_id_of(context)
+        self.sessions.open(request.session_id, request.max_length, request_id, caller_of(context))
+        log.info("session opened", extra=self._extra(request.session_id, request_id))
         return stage_pb2.OpenSessionResponse(session_id=request.session_id)
 
     async def CloseSession(self, request, context):
@@ -109,8 +113,9 @@ class StageService(stage_pb2_grpc.StageServicer):
             # The stream is the session's lifeline: when it ends (done, cancelled, caller gone),
             # nothing will step these sessions again.
             for sid in touched:
-                if self.sessions.close(sid, caller):
-                    log.info("session closed with its stream", extra={"session_id": short_id(sid)})
+                session = self.sessions.sessions.get(sid)
+                if session is not None and self.sessions.close(sid, caller):
+                    log.info("session closed with its stream", extra=self._extra(sid, session.request_id))
 
     def _to_step(self, request: stage_pb2.ForwardRequest, session: Session) -> StepRequest:
         model, args = self.model, self.model.args

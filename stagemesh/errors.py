@@ -21,6 +21,11 @@ REQUEST_ID_KEY = "x-request-id"
 """Call metadata that carries the request id across hops (the router sets it on every stage call)."""
 
 
+def request_id_of(context: grpc.aio.ServicerContext) -> str:
+    """The request id a caller (the router, for a stage) sent in the call's metadata, or ""."""
+    return next((str(v) for k, v in context.invocation_metadata() or () if k == REQUEST_ID_KEY), "")
+
+
 class StatusError(Exception):
     """A refusal the caller can act on: it reaches the caller as `code` with `message`, as is."""
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import urllib.request
 
 from prometheus_client import REGISTRY
@@ -57,5 +58,23 @@ async def test_stage_metrics_count_passes_tokens_bytes_and_pool_use(tiny_model):
         assert value("stagemesh_stage_open_sessions") == 1  # the one stream's session (at either stage)
         assert value("stagemesh_stage_kv_used_bytes") > 0 and value("stagemesh_stage_kv_free_bytes") > 0
         long.cancel()
+    finally:
+        await mesh.stop()
+
+
+async def test_a_callers_request_id_is_in_the_log_lines_of_the_router_and_of_every_stage(tiny_model, caplog):
+    mesh = await start_mesh(tiny_model, [splits(2, 3, 3)])
+    try:
+        with caplog.at_level(logging.INFO):
+            await collect(mesh.router_stub.Generate(router_pb2.GenerateRequest(
+                token_ids=[5, 6, 7], max_new_tokens=3, request_id="follow-me-42"), timeout=30))
+            await asyncio.sleep(0.2)  # the stages log their sessions' end as the streams close
+        tagged = [r for r in caplog.records if getattr(r, "request_id", None) == "follow-me-42"]
+        assert any(r.name == "stagemesh.router" for r in tagged)
+        stages = {getattr(r, "stage", "") for r in tagged if r.name == "stagemesh.stage"}
+        assert stages == {s.address for s in mesh.all_stages()}
+        opened_and_closed = [r.getMessage() for r in tagged if r.name == "stagemesh.stage"]
+        assert opened_and_closed.count("session opened") == 3
+        assert opened_and_closed.count("session closed with its stream") == 3
     finally:
         await mesh.stop()
