@@ -8,8 +8,9 @@ import time
 
 import psutil
 
+from stage_server.config import StageConfig
 from stage_server.registration import Registration, RegistrationConfig
-from stage_server.server import StageConfig, StageServer
+from stage_server.server import StageServer
 from stagemesh import metrics
 from stagemesh.discovery.backends import open_registry
 from stagemesh.signals import until_signalled

@@ -19,8 +19,8 @@ from router.server import RouterConfig
 from router.server import serve as serve_router
 from scheduler.scheduler import SchedulerConfig
 from scheduler.server import PlanConfig, print_plan, serve_scheduler
+from stage_server.config import StageConfig
 from stage_server.main import serve as serve_stage
-from stage_server.server import StageConfig
 from stagemesh import launcher
 from stagemesh.config_flags import add_flags, from_args
 from stagemesh.launcher import UpConfig

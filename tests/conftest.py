@@ -15,7 +15,8 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 torch.set_num_threads(2)
 
 from router.server import RouterConfig, RouterServer  # noqa: E402
-from stage_server.server import StageConfig, StageServer  # noqa: E402
+from stage_server.config import StageConfig  # noqa: E402
+from stage_server.server import StageServer  # noqa: E402
 from stagemesh import grpc_server  # noqa: E402
 from stagemesh.tiny_model import make_tiny_model  # noqa: E402
 from stagemesh.v1 import router_pb2_grpc, stage_pb2_grpc  # noqa: E402

@@ -18,7 +18,8 @@ from router.chain_client import Chain, ChainSession, Sampling, StageEndpoint
 from router.generation import GenerationConfig
 from router.priority_queue import AdmissionConfig, ClassLimits, PriorityAdmission
 from stage_server.batcher import BatcherConfig
-from stage_server.server import StageConfig, StageServer
+from stage_server.config import StageConfig
+from stage_server.server import StageServer
 from stagemesh.tiny_model import make_tiny_model
 from stagemesh.v1 import router_pb2
 from tests.conftest import collect, hf_greedy, splits, start_mesh

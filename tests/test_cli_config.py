@@ -15,7 +15,7 @@ from router.server import RouterConfig
 from scheduler.placement import PlacementConfig
 from scheduler.scheduler import SchedulerConfig
 from stage_server.batcher import BatcherConfig
-from stage_server.server import StageConfig
+from stage_server.config import StageConfig
 from stagemesh import cli
 from stagemesh.config_flags import from_args
 from stagemesh.launcher import UpConfig

@@ -19,8 +19,9 @@ from router.server import RouterConfig, RouterServer
 from scheduler import placement
 from scheduler.server import print_plan
 from stage_server.batcher import BatcherConfig
+from stage_server.config import StageConfig, max_step_bytes, split_host_port
 from stage_server.registration import Registration, RegistrationConfig
-from stage_server.server import StageConfig, StageServer, max_step_bytes, split_host_port
+from stage_server.server import StageServer
 from stagemesh import grpc_server, tensor_codec
 from stagemesh.checkpoint import ModelFootprint, model_fingerprint, serving_fingerprint, weight_files
 from stagemesh.discovery.backends import open_registry

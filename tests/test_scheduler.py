@@ -10,8 +10,9 @@ import pytest
 from registry.service import start_registry_server
 from router.server import RouterConfig, RouterServer
 from scheduler.scheduler import Scheduler, SchedulerConfig
+from stage_server.config import StageConfig
 from stage_server.registration import Registration, RegistrationConfig
-from stage_server.server import StageConfig, StageServer
+from stage_server.server import StageServer
 from stagemesh import grpc_server
 from stagemesh.checkpoint import ModelFootprint
 from stagemesh.discovery.backends import open_registry

@@ -1,0 +1,153 @@
+"""A stage server's configuration: every `stagemesh stage` flag is a field here (stagemesh/config_flags.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import get_args
+
+from stage_server.batcher import BatcherConfig
+from stagemesh import grpc_server
+from stagemesh.checkpoint import QUANTIZE, Quantization, ServingDtype
+from stagemesh.config_flags import PORT_RULE, refused
+from stagemesh.tracing import TracingConfig
+
+STEP_HEADROOM_BYTES = 1 << 20
+"""Room in a Forward message besides its hidden states: framing, ids, sampling, a row scale per token."""
+
+
+def max_step_bytes(max_batch_tokens: int, hidden_size: int) -> int:
+    """The largest Forward message a stage accepts: a whole pass's hidden states in float32 (the widest
+    wire dtype) and headroom. Routers send no larger chunk; anything larger is refused by gRPC
+    (RESOURCE_EXHAUSTED) from its length prefix, before it is buffered."""
+    return max_batch_tokens * hidden_size * 4 + STEP_HEADROOM_BYTES
+
+
+def parse_layers(spec: str) -> tuple[int, int | None]:
+    """--layers A:B -> (A, B); "A:" runs through the last layer."""
+    try:
+        a, b = spec.split(":")
+        return int(a), (int(b) if b else None)
+    except ValueError:
+        raise ValueError("use A:B (layers A..B-1), e.g. 0:4") from None
+
+
+def split_host_port(text: str) -> tuple[str, int | None]:
+    """--advertise: "HOST", "HOST:PORT", "[V6]" or "[V6]:PORT" -> (host, port or None); a bare IPv6
+    address is a host."""
+    if text.startswith("["):
+        host, sep, rest = text[1:].partition("]")
+        if not sep or rest[:1] not in ("", ":"):
+            raise ValueError("use HOST, HOST:PORT or [IPv6]:PORT")
+        port = rest[1:] or None
+    elif text.count(":") == 1:
+        host, port = text.split(":")
+    else:
+        host, port = text, None
+    if not host or grpc_server.is_wildcard(host):
+        raise ValueError("give the host others reach this stage at, not a wildcard")
+    if port is not None and not (port.isdigit() and 0 < int(port) < 65536):
+        raise ValueError(f"port {port!r} must be 1..65535")
+    return host, int(port) if port else None
+
+
+@dataclass
+class StageConfig:
+    model: str
+    """Local Hugging Face checkpoint directory (config.json + safetensors)."""
+    layer_start: int | None = field(default=None, metadata={"flag": "--layers", "type": parse_layers,
+                                                            "metavar": "A:B"})
+    """A:B serves decoder layers A..B-1 (default: the scheduler assigns a range; needs --registry)."""
+    layer_end: int | None = field(default=None, metadata={"flag": "--layers"})
+    """None: through the last layer."""
+    host: str = "127.0.0.1"
+    """The address to serve on (a wildcard such as 0.0.0.0 or :: needs --advertise)."""
+    port: int = 0
+    """0 picks a free port."""
+    advertise: str = field(default="", metadata={"metavar": "HOST[:PORT]"})
+    """The address others reach this stage at: registered in the registry, shown in logs, part of the
+    stage's id (default: --host and the bound port; PORT defaults to the bound port)."""
+    device: str = "auto"
+    """auto, cpu or cuda (cuda:N for one of several)."""
+    dtype: ServingDtype = "float32"
+    """The dtype the weights and the KV cache are held in."""
+    kv_cache_gb: float | None = None
+    """KV cache pool size (default: a quarter of the memory available at start)."""
+    session_timeout_s: float = field(default=300.0, metadata={"flag": "--session-timeout"})
+    """Seconds after which an idle session is closed and its cache freed."""
+    unstepped_session_timeout_s: float = 30.0
+    """Seconds after which a session opened and never stepped is closed: opening sessions without
+    stepping them must not hold the KV pool for the whole idle timeout. Longer than the first step of
+    a session can take to reach this stage (a long prompt's first chunk through the stages before it)."""
+    stall_timeout_s: float = 30.0
+    """Health turns NOT_SERVING while steps wait and no pass has finished for this long (a stuck
+    compute thread), so that routers stop sending it work; it turns back when passes finish again."""
+    drain_timeout_s: float = 30.0
+    """On SIGTERM: out of the registry and NOT_SERVING at once, no new sessions, and this long for
+    the sessions it holds to finish before the process exits (those left are cut: routers replay them)."""
+    batcher: BatcherConfig = field(default_factory=BatcherConfig)
+    tracing: TracingConfig = field(default_factory=TracingConfig)
+    metrics_port: int | None = None
+    """Serve Prometheus metrics on this port (default: none): passes, tokens, sessions, KV pool, wire bytes."""
+    threads: int | None = None
+    """torch intra-op threads (default: torch's choice)."""
+    registry: str | None = None
+    """local://HOST:PORT or consul://HOST:PORT: announce this stage there (needed without --layers)."""
+    model_name: str = ""
+    """The model's name in the registry (default: the checkpoint directory's name)."""
+    memory_gb: float | None = None
+    """Memory budget announced to the scheduler (default: the memory available at start)."""
+    speed: float = 1.0
+    """Relative speed announced to the scheduler: a host half as fast says 0.5 and gets fewer layers."""
+    quantize: Quantization = "none"
+    """int8: Linear weights in int8 (int8 kernels on CPU float32, weight-only elsewhere); int8-weight-only:
+    the portable path on any device (stage_server/quantize.py; the README gives the accuracy cost)."""
+    preload: bool = False
+    """Read every weight page at start, so that no request pays for a cold page (tensors used as stored
+    are otherwise views of the memory-mapped safetensors file, read on first use); Stage/Info reports
+    the load time as cold start."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in get_args(ServingDtype):
+            raise ValueError(f"--dtype {self.dtype!r}: use one of {', '.join(get_args(ServingDtype))}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"--device {self.device!r}: use auto, cpu or cuda")
+        if self.quantize not in QUANTIZE:
+            raise ValueError(f"--quantize {self.quantize!r}: use one of {', '.join(QUANTIZE)}")
+        if self.layer_start is not None and not (
+                self.layer_start >= 0 and (self.layer_end is None or self.layer_end > self.layer_start)):
+            raise ValueError(f"--layers {self.layer_start}:{self.layer_end}: use A:B with 0 <= A < B "
+                             "(layers A..B-1), e.g. 0:4")
+        if self.layer_start is None and not self.registry:
+            raise ValueError("give --layers A:B, or --registry so that the scheduler assigns a range")
+        if not 0 <= self.port <= 65535:
+            raise refused(self, "port", PORT_RULE)
+        if self.kv_cache_gb is not None and not self.kv_cache_gb > 0:
+            raise refused(self, "kv_cache_gb", "must be > 0 GiB (leave it out for a quarter of the available memory)")
+        if not self.session_timeout_s > 0:
+            raise refused(self, "session_timeout_s", "must be > 0 seconds (how long an idle session keeps its cache)")
+        if not self.unstepped_session_timeout_s > 0:
+            raise refused(self, "unstepped_session_timeout_s", "must be > 0 seconds (longer than a router takes "
+                                                               "from opening a session to its first step)")
+        if self.advertise:
+            try:
+                split_host_port(self.advertise)
+            except ValueError as exc:
+                raise refused(self, "advertise", str(exc)) from None
+        elif not self.host or grpc_server.is_wildcard(self.host):
+            raise refused(self, "host", "listens on every interface, which is no address others can reach; "
+                                        "give --advertise HOST[:PORT], the address to register and reach it at")
+        if not self.stall_timeout_s > 0:
+            raise refused(self, "stall_timeout_s", "must be > 0 seconds (longer than the slowest honest pass)")
+        if not self.drain_timeout_s >= 0:
+            raise refused(self, "drain_timeout_s", "must be >= 0 seconds (0: cut open sessions at once)")
+        if self.threads is not None and not self.threads >= 1:
+            raise refused(self, "threads", "must be >= 1 (leave it out for torch's choice)")
+        if self.memory_gb is not None and not self.memory_gb > 0:
+            raise refused(self, "memory_gb", "must be > 0 GiB (leave it out to announce the memory available "
+                                             "at start)")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise refused(self, "metrics_port", "must be 0..65535 (left out: no metrics)")
+        if not self.speed > 0:
+            raise refused(self, "speed", "must be > 0 (a relative speed; 1.0 is an ordinary host)")
+        self.model_name = self.model_name or Path(self.model).name
