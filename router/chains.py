@@ -11,6 +11,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from router.chain_client import Chain, StageEndpoint
+from stagemesh.tls import Tls
 from stagemesh.v1 import stage_pb2, stage_pb2_grpc
 
 log = logging.getLogger("stagemesh.router")
@@ -24,17 +25,18 @@ class NoUsableChain(RuntimeError):
     """No chain can take the request now."""
 
 
-def parse_chain(spec: str) -> Chain:
+def parse_chain(spec: str, tls: Tls | None = None) -> Chain:
     """'HOST:PORT,HOST:PORT,...' in pipeline order; layer ranges are read from the stages."""
     addresses = [a.strip() for a in spec.split(",") if a.strip()]
     if not addresses:
         raise ValueError(f"--chain {spec!r} names no stage; give HOST:PORT,HOST:PORT,... in pipeline order")
-    return Chain([StageEndpoint(a) for a in addresses])
+    return Chain([StageEndpoint(a, tls=tls) for a in addresses])
 
 
 class ChainSet:
     def __init__(self, chains: list[Chain], num_layers: int, on_change: Callable[[bool], None] | None = None,
-                 prefill_chunk: int = 0):
+                 prefill_chunk: int = 0, tls: Tls | None = None):
+        self.tls = tls  # the channels of chains adopted later (replace()) use it too
         self.chains = chains
         self.num_layers = num_layers
         self.prefill_chunk = prefill_chunk  # the router's --prefill-chunk, checked against each chain's budget
@@ -54,7 +56,7 @@ class ChainSet:
         for p in published:
             chain = existing.get(p.chain_id)
             if chain is None:
-                stages = [StageEndpoint(s.address, s.layer_start, s.layer_end) for s in p.stages]
+                stages = [StageEndpoint(s.address, s.layer_start, s.layer_end, tls=self.tls) for s in p.stages]
                 chain = Chain(stages, chain_id=p.chain_id, healthy=False)  # healthy after its first check
             new.append(chain)
         gone = [c for c in self.chains if c.chain_id not in wanted_ids]

@@ -21,7 +21,7 @@ from stage_server.model import StageModel
 from stage_server.quantize import loads_int8_weights, quantize
 from stage_server.sessions import SessionTable
 from stage_server.stage_service import ERROR_CODES, StageService
-from stagemesh import grpc_server
+from stagemesh import grpc_server, tls
 from stagemesh.checkpoint import QUANTIZE, Quantization, ServingDtype, read_config
 from stagemesh.config_flags import PORT_RULE, refused
 from stagemesh.errors import StatusError, StatusInterceptor
@@ -72,7 +72,11 @@ class StageConfig:
     threads: int | None = None
     """torch intra-op threads (default: torch's choice)."""
     registry: str | None = None
-    """local://HOST:PORT or consul://HOST:PORT: announce this stage there (needed without --layers)."""
+    """local://HOST:PORT, consul://HOST:PORT or consul+https://HOST:PORT: announce this stage there (needed
+    without --layers)."""
+    tls: str | None = None
+    """A directory with ca.pem, mesh.pem and mesh-key.pem (`stagemesh certs`): serve mutual TLS (callers need a
+    certificate from that CA) and reach the registry with it (default: plaintext)."""
     model_name: str = ""
     """The model's name in the registry (default: the checkpoint directory's name)."""
     memory_gb: float | None = None
@@ -171,13 +175,15 @@ class StageServer:
 
     def __init__(self, config: StageConfig):
         self.config = config
+        self.tls = tls.load(config.tls)  # first: a wrong --tls stops the process before any weights are read
         self.device = resolve_device(config.device)
         self.num_layers = read_config(config.model)["num_hidden_layers"]
         self.server = grpc_server.new_server([StatusInterceptor(log, ERROR_CODES)])
         self.slot = StageSlot()
         stage_pb2_grpc.add_StageServicer_to_server(self.slot, self.server)
         self.health = grpc_server.add_health_and_reflection(self.server, [SERVICE_NAME])
-        self.port = grpc_server.bind(self.server, config.host, config.port)
+        self.port = grpc_server.bind(self.server, config.host, config.port,
+                                     self.tls.server_credentials() if self.tls else None)
         self.model: StageModel | None = None
         self.pool: KVPool | None = None
         self.sessions: SessionTable | None = None

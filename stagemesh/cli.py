@@ -19,7 +19,8 @@ from scheduler.scheduler import SchedulerConfig
 from scheduler.server import PlanConfig, print_plan, serve_scheduler
 from stage_server.main import serve as serve_stage
 from stage_server.server import StageConfig
-from stagemesh import launcher
+from stagemesh import launcher, tls
+from stagemesh.certs import CertsConfig, run_certs
 from stagemesh.config_flags import add_flags, from_args
 from stagemesh.launcher import UpConfig
 from stagemesh.log import setup_logging
@@ -43,7 +44,7 @@ def run_router(config: RouterConfig) -> None:
 
 
 def run_registry(config: RegistryConfig) -> None:
-    _run(serve_registry(config.host, config.port))
+    _run(serve_registry(config.host, config.port, tls.load(config.tls)))
 
 
 def run_scheduler(config: SchedulerConfig) -> None:
@@ -52,20 +53,20 @@ def run_scheduler(config: SchedulerConfig) -> None:
 
 async def _scheduler_hosting_registry(config: SchedulerConfig) -> None:
     """--registry local hosts the embedded registry in this process, on --host and --registry-port."""
-    registry_url, hosted = config.registry, None
+    registry_url, hosted, mesh_tls = config.registry, None, tls.load(config.tls)
     if registry_url == "local":
-        hosted = await start_registry_server(config.host, config.registry_port)
+        hosted = await start_registry_server(config.host, config.registry_port, tls=mesh_tls)
         registry_url = f"local://{hosted.address}"
         print(f"registry ready on {hosted.address}", flush=True)
     try:
-        await serve_scheduler(config, registry_url)
+        await serve_scheduler(config, registry_url, mesh_tls)
     finally:
         if hosted:
             await hosted.stop()
 
 
 def run_plan(config: PlanConfig) -> None:
-    print(asyncio.run(print_plan(config.registry, config.model_name)))
+    print(asyncio.run(print_plan(config.registry, config.model_name, tls.load(config.tls))))
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,7 @@ COMMANDS = {
     "scheduler": Command(SchedulerConfig, run_scheduler, "place layers on the registered stages and publish chains"),
     "plan": Command(PlanConfig, run_plan, "print the scheduler's current plan and chains"),
     "up": Command(UpConfig, launcher.run_up, "start stage servers and a router on this machine"),
+    "certs": Command(CertsConfig, run_certs, "make a CA and the mesh certificate for --tls"),
 }
 
 
