@@ -256,7 +256,7 @@ def test_consul_over_https_takes_its_ca_token_and_client_certificate(certs):
 
 def test_processes_with_tls_register_schedule_and_serve(tiny_model, certs, hf_models, tmp_path):
     """`stagemesh scheduler/stage/router --tls`: the hosted registry, the stages' registrations, the router's
-    watch and its chain, all over mutual TLS; plaintext callers are refused by the registry and the stages."""
+    watch and its chain, all over mutual TLS; plaintext callers are refused by the registry and the stage."""
     directory = str(certs["mesh"].directory)
     mesh, router = start_local_mesh(str(tiny_model), stages=1, router_port=0, registry="local", tls=directory,
                                     log_dir=tmp_path)
