@@ -15,6 +15,9 @@ class RegistryConfig:
     port: int = 50050
     """The port stages, routers and schedulers reach it on (local://HOST:PORT); 0 picks a free port."""
     tracing: TracingConfig = field(default_factory=TracingConfig)
+    tls: str | None = None
+    """A directory with ca.pem, mesh.pem and mesh-key.pem (`stagemesh certs`): serve mutual TLS, so that only
+    holders of a certificate from that CA reach the registry (default: plaintext)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

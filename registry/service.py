@@ -13,6 +13,7 @@ from stagemesh.discovery import embedded as er
 from stagemesh.discovery.registry import MAX_VALUE_BYTES
 from stagemesh.errors import ErrorCodes, StatusInterceptor
 from stagemesh.signals import until_signalled
+from stagemesh.tls import Tls
 from stagemesh.v1 import registry_pb2, registry_pb2_grpc
 
 log = logging.getLogger("stagemesh.registry")
@@ -112,14 +113,15 @@ def add_registry_service(server: grpc.aio.Server, registry: EmbeddedRegistry) ->
 class RegistryServer:
     """The embedded registry on its own gRPC server, with health and reflection (grpcurl can use it)."""
 
-    def __init__(self, registry: EmbeddedRegistry | None = None, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, registry: EmbeddedRegistry | None = None, host: str = "127.0.0.1", port: int = 0,
+                 tls: Tls | None = None):
         self._owns_registry = registry is None
         self.registry = registry or EmbeddedRegistry()
         self.host = host
         self.server = grpc_server.new_server([StatusInterceptor(log, ERROR_CODES)], MAX_REQUEST_BYTES)
         add_registry_service(self.server, self.registry)
         self.health = grpc_server.add_health_and_reflection(self.server, [SERVICE_NAME])
-        self.port = grpc_server.bind(self.server, host, port)
+        self.port = grpc_server.bind(self.server, host, port, tls.server_credentials() if tls else None)
 
     @property
     def address(self) -> str:
@@ -136,17 +138,18 @@ class RegistryServer:
             await self.registry.close()
 
 
-async def start_registry_server(host: str = "127.0.0.1", port: int = 0,
-                                registry: EmbeddedRegistry | None = None) -> RegistryServer:
-    """Starts serving the embedded registry on host:port (0: a free port); see RegistryServer.address."""
-    server = RegistryServer(registry, host, port)
+async def start_registry_server(host: str = "127.0.0.1", port: int = 0, registry: EmbeddedRegistry | None = None,
+                                tls: Tls | None = None) -> RegistryServer:
+    """Starts serving the embedded registry on host:port (0: a free port; mutual TLS with tls); see
+    RegistryServer.address."""
+    server = RegistryServer(registry, host, port, tls)
     await server.start()
     return server
 
 
-async def serve_registry(host: str, port: int) -> None:
+async def serve_registry(host: str, port: int, tls: Tls | None = None) -> None:
     """`stagemesh registry`: the embedded registry on its own, until a signal."""
-    server = await start_registry_server(host, port)
+    server = await start_registry_server(host, port, tls=tls)
     print(f"registry ready on {server.address}", flush=True)
     await until_signalled()
     await server.stop()

@@ -15,6 +15,7 @@ import grpc
 import torch
 
 from stagemesh import grpc_server, metrics, tensor_codec
+from stagemesh.tls import Tls
 from stagemesh.v1 import stage_pb2, stage_pb2_grpc, tensor_pb2
 
 log = logging.getLogger("stagemesh.router")
@@ -25,13 +26,15 @@ class StageEndpoint:
     address: str
     layer_start: int = 0
     layer_end: int = 0
+    tls: Tls | None = field(default=None, repr=False)
+    """The mesh identity the channel presents and checks the stage against (None: plaintext)."""
     _stub: stage_pb2_grpc.StageStub | None = field(default=None, repr=False)
     _channel: grpc.aio.Channel | None = field(default=None, repr=False)
 
     @property
     def stub(self) -> stage_pb2_grpc.StageStub:
         if self._stub is None:
-            self._channel = grpc_server.insecure_channel(self.address)
+            self._channel = grpc_server.channel(self.address, self.tls)
             self._stub = stage_pb2_grpc.StageStub(self._channel)
         return self._stub
 

@@ -12,6 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from router.chain_client import Chain, StageEndpoint
 from stagemesh.checkpoint import FINGERPRINT_DIGEST_CHARS, fingerprint_digest
+from stagemesh.tls import Tls
 from stagemesh.v1 import stage_pb2, stage_pb2_grpc
 
 log = logging.getLogger("stagemesh.router")
@@ -25,17 +26,18 @@ class NoUsableChain(RuntimeError):
     """No chain can take the request now."""
 
 
-def parse_chain(spec: str) -> Chain:
+def parse_chain(spec: str, tls: Tls | None = None) -> Chain:
     """'HOST:PORT,HOST:PORT,...' in pipeline order; layer ranges are read from the stages."""
     addresses = [a.strip() for a in spec.split(",") if a.strip()]
     if not addresses:
         raise ValueError(f"--chain {spec!r} names no stage; give HOST:PORT,HOST:PORT,... in pipeline order")
-    return Chain([StageEndpoint(a) for a in addresses])
+    return Chain([StageEndpoint(a, tls=tls) for a in addresses])
 
 
 class ChainSet:
     def __init__(self, chains: list[Chain], num_layers: int, model_digest: str,
-                 on_change: Callable[[bool], None] | None = None, prefill_chunk: int = 0):
+                 on_change: Callable[[bool], None] | None = None, prefill_chunk: int = 0, tls: Tls | None = None):
+        self.tls = tls  # the channels of chains adopted later (replace()) use it too
         self.chains = chains
         self.num_layers = num_layers
         # The router's own checkpoint's (checkpoint.model_fingerprint): a chain serving another is refused.
@@ -57,7 +59,7 @@ class ChainSet:
         for p in published:
             chain = existing.get(p.chain_id)
             if chain is None:
-                stages = [StageEndpoint(s.address, s.layer_start, s.layer_end) for s in p.stages]
+                stages = [StageEndpoint(s.address, s.layer_start, s.layer_end, tls=self.tls) for s in p.stages]
                 chain = Chain(stages, chain_id=p.chain_id, healthy=False,  # healthy after its first check
                               fingerprint=p.fingerprint)
             new.append(chain)

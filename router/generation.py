@@ -56,6 +56,11 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     priority: int = 0
     deadline: float | None = None  # event-loop time by which the request must be done
+    caller: str = ""  # its token's name (router.auth), "" on an open router
+
+    def log_extra(self, **more: str) -> dict[str, str]:
+        """What the request's log lines carry: its id and its caller."""
+        return {"request_id": self.request_id, "caller": self.caller, **more}
 
 
 @dataclass
@@ -156,7 +161,7 @@ async def generate(
             log.warning(
                 f"chain {chain.chain_id} failed ({last_error}); moving the stream to another chain and "
                 f"replaying {len(req.prompt_ids)} prompt + {len(generated)} generated tokens",
-                extra={"request_id": req.request_id, "chain": chain.chain_id},
+                extra=req.log_extra(chain=chain.chain_id),
             )
         finally:
             chains.release(chain)

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from router.auth import CALLER
 from router.chains import ChainSet, NoUsableChain
 from router.generation import GenerationConfig, GenerationRequest, generate
 from router.priority_queue import AdmissionRefused, PriorityAdmission, priority_class
@@ -103,11 +104,12 @@ class RouterService(router_pb2_grpc.RouterServicer):
             stop=tuple(request.stop),
             priority=request.priority,
             deadline=deadline,
+            caller=CALLER.get(),
         )
 
     async def _stream(self, req: GenerationRequest) -> AsyncIterator[router_pb2.GenerateResponse]:
         """Waits for admission, then streams; every failure the caller can act on leaves as StatusError."""
-        extra = {"request_id": req.request_id}
+        extra = req.log_extra()
         cls = priority_class(req.priority)
         arrived = time.perf_counter()
         try:
@@ -171,7 +173,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 await out.put(router_pb2.GenerateBatchResponse(
                     index=index, error_code=exc.code.value[0], error_message=f"request {index}: {exc.message}"))
             except Exception:  # a bug: this prompt gets an entry all the same, never a silent drop
-                log.exception(f"GenerateBatch entry {index} failed", extra={"request_id": sub.request_id})
+                log.exception(f"GenerateBatch entry {index} failed",
+                              extra={"request_id": sub.request_id, "caller": CALLER.get()})
                 await out.put(router_pb2.GenerateBatchResponse(
                     index=index, error_code=grpc.StatusCode.INTERNAL.value[0],
                     error_message=f"request {index}: internal error in the router; it logged it"))

@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import grpc
+
+from router.auth import AuthInterceptor, TokenAuth
 from router.chain_watch import follow_chains
 from router.chains import ChainSet, parse_chain
 from router.generation import GenerationConfig
 from router.priority_queue import AdmissionConfig, PriorityAdmission
 from router.router_service import RouterService
-from stagemesh import grpc_server, metrics
+from stagemesh import grpc_server, metrics, tls
 from stagemesh.checkpoint import model_fingerprint
 from stagemesh.config_flags import PORT_RULE, refused
 from stagemesh.discovery.backends import open_registry
@@ -41,7 +45,8 @@ class RouterConfig:
     """Seconds between health checks of every chain's stages."""
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     registry: str | None = None
-    """Follow the chains the scheduler publishes there (local://HOST:PORT or consul://HOST:PORT) instead of --chain."""
+    """Follow the chains the scheduler publishes there (local://HOST:PORT, consul://HOST:PORT or
+    consul+https://HOST:PORT) instead of --chain."""
     model_name: str = ""
     """The model's name in the registry (default: the checkpoint directory's name)."""
     tracing: TracingConfig = field(default_factory=TracingConfig)
@@ -50,10 +55,29 @@ class RouterConfig:
     drain_timeout_s: float = 30.0
     """On SIGTERM: NOT_SERVING and no new calls at once, and this long for the streams it carries to
     finish before the process exits."""
+    tls: str | None = None
+    """A directory with ca.pem, mesh.pem and mesh-key.pem (`stagemesh certs`): reach stages and the registry
+    with mutual TLS, and serve the public port with TLS (mesh.pem, unless --public-cert) (default: plaintext)."""
+    public_cert: str | None = None
+    """A PEM certificate (chain) for the public port instead of mesh.pem, e.g. from the authority callers
+    already trust; with --public-key."""
+    public_key: str | None = None
+    """--public-cert's private key (PEM)."""
+    client_ca: str | None = None
+    """A PEM file of CAs: callers must present a certificate issued by one of them (needs --tls or --public-cert)."""
+    auth_tokens: str | None = None
+    """A JSON file of callers' tokens ({"tokens": [{"name", "token", "max_priority", "requests_per_second"}]}):
+    calls need 'authorization: Bearer <token>' (health and reflection stay open); reloaded on SIGHUP
+    (default: no tokens, any caller)."""
 
     def __post_init__(self) -> None:
         if bool(self.chains) == bool(self.registry):
             raise ValueError("give either --chain (one or more) or --registry, not both")
+        if (self.public_cert is None) != (self.public_key is None):
+            raise ValueError("give --public-cert and --public-key together (the public port's certificate and "
+                             "its key), or neither")
+        if self.client_ca and not (self.tls or self.public_cert):
+            raise ValueError("--client-ca needs TLS on the public port: give --tls DIR or --public-cert/--public-key")
         if not 0 <= self.port <= 65535:
             raise refused(self, "port", PORT_RULE)
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
@@ -81,18 +105,37 @@ def eos_token_ids(model_dir: str, tokenizer, model_config) -> frozenset[int]:
     return frozenset([ids] if isinstance(ids, int) else ids)
 
 
+def public_credentials(config: RouterConfig, mesh: tls.Tls | None) -> grpc.ServerCredentials | None:
+    """The public port's TLS: --public-cert or the mesh certificate, requiring a caller certificate from
+    --client-ca if given; None (plaintext) without either certificate."""
+    if config.public_cert and config.public_key:
+        cert = tls.read_file(config.public_cert, "--public-cert")
+        key = tls.read_file(config.public_key, "--public-key")
+    elif mesh is not None:
+        cert, key = mesh.cert, mesh.key
+    else:
+        return None
+    client_ca = tls.read_file(config.client_ca, "--client-ca") if config.client_ca else None
+    return tls.server_credentials(cert, key, client_ca)
+
+
 class RouterServer:
     def __init__(self, config: RouterConfig):
         from transformers import AutoConfig, AutoTokenizer
 
         self.config = config
+        # First: a wrong --tls or token file stops the process before the tokenizer is loaded.
+        self.tls = tls.load(config.tls)
+        self.auth = TokenAuth(config.auth_tokens) if config.auth_tokens else None
         model_config = AutoConfig.from_pretrained(config.model, local_files_only=True)
         tokenizer = AutoTokenizer.from_pretrained(config.model, local_files_only=True)
-        self.server = grpc_server.new_server([StatusInterceptor(log)], grpc_server.PUBLIC_MAX_MESSAGE_BYTES)
+        interceptors = [AuthInterceptor(self.auth)] if self.auth else []
+        self.server = grpc_server.new_server([*interceptors, StatusInterceptor(log)],
+                                             grpc_server.PUBLIC_MAX_MESSAGE_BYTES)
         self.health = grpc_server.add_health_and_reflection(self.server, [SERVICE_NAME])
-        self.chains = ChainSet([parse_chain(c) for c in config.chains], model_config.num_hidden_layers,
+        self.chains = ChainSet([parse_chain(c, self.tls) for c in config.chains], model_config.num_hidden_layers,
                                model_fingerprint(config.model), on_change=self._on_chains_change,
-                               prefill_chunk=config.generation.prefill_chunk)
+                               prefill_chunk=config.generation.prefill_chunk, tls=self.tls)
         for chain in self.chains.chains:
             chain.healthy = False  # until the first health check passes
         self.admission = PriorityAdmission(config.admission, lambda: len(self.chains.usable()))
@@ -102,7 +145,7 @@ class RouterServer:
             Path(config.model).name, self.admission,
         )
         router_pb2_grpc.add_RouterServicer_to_server(self.service, self.server)
-        self.port = grpc_server.bind(self.server, config.host, config.port)
+        self.port = grpc_server.bind(self.server, config.host, config.port, public_credentials(config, self.tls))
         self._tasks: list[asyncio.Task] = []
         self.registry = None
 
@@ -124,10 +167,23 @@ class RouterServer:
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self.chains.watch(self.config.health_interval_s))]
         if self.config.registry:
-            self.registry = open_registry(self.config.registry)
+            self.registry = open_registry(self.config.registry, self.tls)
             self._tasks.append(loop.create_task(follow_chains(self.registry, self.config.model_name, self.chains)))
         usable = len(self.chains.usable())
         log.info(f"router on {self.address}: {usable} of {len(self.chains.chains)} chains usable")
+
+    def reload_tokens(self) -> bool:
+        """Reads --auth-tokens again (SIGHUP); a file that does not parse keeps the tokens in force."""
+        if self.auth is None:
+            log.warning("SIGHUP: nothing to reload (no --auth-tokens)")
+            return False
+        try:
+            names = self.auth.reload()
+        except (ValueError, OSError) as exc:
+            log.error(f"tokens not reloaded, the previous ones stay in force: {exc}")
+            return False
+        log.info(f"tokens reloaded from {self.auth.path}: {len(names)} caller(s): {', '.join(names)}")
+        return True
 
     async def stop(self, grace: float | None = 1.0) -> None:
         for task in self._tasks:
@@ -143,6 +199,7 @@ async def serve(config: RouterConfig) -> None:
     metrics.serve_metrics(config.metrics_port, config.host)
     server = RouterServer(config)
     await server.start()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, server.reload_tokens)
     print(f"router ready on {server.address}", flush=True)
     await until_signalled()
     t0 = asyncio.get_running_loop().time()

@@ -47,11 +47,15 @@ class SchedulerConfig:
     placement: placement.PlacementConfig = field(default_factory=placement.PlacementConfig)
     tracing: TracingConfig = field(default_factory=TracingConfig)
     registry: str = "local"
-    """'local' hosts the embedded registry in this process; or local://HOST:PORT, consul://HOST:PORT."""
+    """'local' hosts the embedded registry in this process; or local://HOST:PORT, consul://HOST:PORT,
+    consul+https://HOST:PORT."""
     host: str = "127.0.0.1"
     """The address the hosted registry serves on (with --registry local)."""
     registry_port: int = 50050
     """The hosted registry's port (with --registry local; 0 picks a free port)."""
+    tls: str | None = None
+    """A directory with ca.pem, mesh.pem and mesh-key.pem (`stagemesh certs`): the hosted registry serves mutual
+    TLS and the scheduler reaches its registry with it (default: plaintext)."""
     scheduler_id: str = field(default_factory=lambda: f"scheduler-{uuid.uuid4().hex[:8]}", metadata=NOT_A_FLAG)
     """Names the leader lock's holder: fresh in each process, since two schedulers sharing one would both lead."""
 

@@ -13,6 +13,7 @@ from stagemesh.discovery.backends import open_registry
 from stagemesh.discovery.chain_table import decode_chains
 from stagemesh.discovery.registry import chains_key, plan_key
 from stagemesh.signals import until_signalled
+from stagemesh.tls import Tls
 
 log = logging.getLogger("stagemesh.scheduler")
 
@@ -24,16 +25,18 @@ class PlanConfig:
     model: str
     """Local checkpoint directory (its name is the model's name by default)."""
     registry: str = "local://127.0.0.1:50050"
-    """The registry the scheduler publishes to (local://HOST:PORT or consul://HOST:PORT)."""
+    """The registry the scheduler publishes to (local://HOST:PORT, consul://HOST:PORT or consul+https://HOST:PORT)."""
     model_name: str = ""
     """The model's name in the registry (default: the checkpoint directory's name)."""
+    tls: str | None = None
+    """A directory with ca.pem, mesh.pem and mesh-key.pem: reach a registry that serves mutual TLS."""
 
     def __post_init__(self) -> None:
         self.model_name = self.model_name or Path(self.model).name
 
 
-async def serve_scheduler(config: SchedulerConfig, registry_url: str) -> None:
-    registry = open_registry(registry_url)
+async def serve_scheduler(config: SchedulerConfig, registry_url: str, tls: Tls | None = None) -> None:
+    registry = open_registry(registry_url, tls)
     scheduler = Scheduler(config, registry)
     task = asyncio.get_running_loop().create_task(scheduler.run())
     print(f"scheduler ready ({config.scheduler_id}, registry {registry_url})", flush=True)
@@ -44,8 +47,8 @@ async def serve_scheduler(config: SchedulerConfig, registry_url: str) -> None:
     await registry.close()
 
 
-async def print_plan(registry_url: str, model_name: str) -> str:
-    registry = open_registry(registry_url)
+async def print_plan(registry_url: str, model_name: str, tls: Tls | None = None) -> str:
+    registry = open_registry(registry_url, tls)
     try:
         plan, _ = await registry.kv_get(plan_key(model_name))
         chains, _ = await registry.kv_get(chains_key(model_name))

@@ -28,7 +28,7 @@ async def serve(config: StageConfig) -> None:
     registration = None
     if config.registry:
         budget = int(config.memory_gb * 2**30) if config.memory_gb else psutil.virtual_memory().available
-        registration = Registration(server, open_registry(config.registry),
+        registration = Registration(server, open_registry(config.registry, server.tls),
                                     RegistrationConfig(config.model_name, budget, config.speed),
                                     fixed=config.layer_start is not None)
         await registration.start()

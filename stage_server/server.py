@@ -20,7 +20,7 @@ from stage_server.model import StageModel, StepSlice
 from stage_server.quantize import loads_int8_weights, quantize
 from stage_server.sessions import SessionTable, short_id
 from stage_server.stage_service import ERROR_CODES, StageService
-from stagemesh import grpc_server, metrics
+from stagemesh import grpc_server, metrics, tls
 from stagemesh.checkpoint import (
     model_fingerprint,
     read_config,
@@ -108,6 +108,7 @@ class StageServer:
 
     def __init__(self, config: StageConfig):
         self.config = config
+        self.tls = tls.load(config.tls)  # first: a wrong --tls stops the process before any weights are read
         self.device = resolve_device(config.device)
         model_config = read_config(config.model)
         self.num_layers = model_config["num_hidden_layers"]
@@ -119,7 +120,8 @@ class StageServer:
         self.slot = StageSlot()
         stage_pb2_grpc.add_StageServicer_to_server(self.slot, self.server)
         self.health = grpc_server.add_health_and_reflection(self.server, [SERVICE_NAME])
-        self.port = grpc_server.bind(self.server, config.host, config.port)
+        self.port = grpc_server.bind(self.server, config.host, config.port,
+                                     self.tls.server_credentials() if self.tls else None)
         host, port = split_host_port(config.advertise) if config.advertise else (config.host, None)
         # Where others reach this stage (--advertise, else the bind address): registered and logged.
         self.address = grpc_server.host_port(host, port or self.port)

@@ -21,7 +21,8 @@ from scheduler.scheduler import SchedulerConfig
 from scheduler.server import PlanConfig, print_plan, serve_scheduler
 from stage_server.config import StageConfig
 from stage_server.main import serve as serve_stage
-from stagemesh import launcher
+from stagemesh import launcher, tls
+from stagemesh.certs import CertsConfig, run_certs
 from stagemesh.config_flags import add_flags, from_args
 from stagemesh.launcher import UpConfig
 from stagemesh.log import setup_logging
@@ -51,7 +52,7 @@ def run_router(config: RouterConfig) -> None:
 
 def run_registry(config: RegistryConfig) -> None:
     setup_tracing("stagemesh-registry", config.tracing.otlp_endpoint)
-    _run(serve_registry(config.host, config.port))
+    _run(serve_registry(config.host, config.port, tls.load(config.tls)))
 
 
 def run_scheduler(config: SchedulerConfig) -> None:
@@ -61,20 +62,20 @@ def run_scheduler(config: SchedulerConfig) -> None:
 
 async def _scheduler_hosting_registry(config: SchedulerConfig) -> None:
     """--registry local hosts the embedded registry in this process, on --host and --registry-port."""
-    registry_url, hosted = config.registry, None
+    registry_url, hosted, mesh_tls = config.registry, None, tls.load(config.tls)
     if registry_url == "local":
-        hosted = await start_registry_server(config.host, config.registry_port)
+        hosted = await start_registry_server(config.host, config.registry_port, tls=mesh_tls)
         registry_url = f"local://{hosted.address}"
         print(f"registry ready on {hosted.address}", flush=True)
     try:
-        await serve_scheduler(config, registry_url)
+        await serve_scheduler(config, registry_url, mesh_tls)
     finally:
         if hosted:
             await hosted.stop()
 
 
 def run_plan(config: PlanConfig) -> None:
-    print(asyncio.run(print_plan(config.registry, config.model_name)))
+    print(asyncio.run(print_plan(config.registry, config.model_name, tls.load(config.tls))))
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,7 @@ COMMANDS = {
                   "and restart any that exits"),
     "roll": Command(RollConfig, run_roll, "restart every stage of a running `stagemesh up`, one by one, each "
                     "drained first: a rolling update without a failed request"),
+    "certs": Command(CertsConfig, run_certs, "make a CA and the mesh certificate for --tls"),
 }
 
 

@@ -13,7 +13,8 @@ Where a field differs, `field(metadata=...)` says how:
   "flag": the flag's name (`--session-timeout`), or None for a field that is no user knob (no flag);
   "type": parses the flag's text (a ValueError it raises is the user's error); when several fields of one
           class share a flag (`--layers A:B` -> layer_start, layer_end), it returns their values in order;
-  "choices", "metavar": as in argparse.
+  "choices", "metavar": as in argparse;
+  "positional": True: a positional argument named after the field (`stagemesh certs DIR`), not a `--` flag.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-FLAG, TYPE, CHOICES, METAVAR = "flag", "type", "choices", "metavar"
+FLAG, TYPE, CHOICES, METAVAR, POSITIONAL = "flag", "type", "choices", "metavar", "positional"
 NOT_A_FLAG = types.MappingProxyType({FLAG: None})
 """metadata of a field that is no user knob: it gets no flag and keeps its default."""
 PORT_RULE = "must be 0..65535 (0 picks a free port)"
@@ -47,6 +48,10 @@ class Knob:
     @property
     def dest(self) -> str:
         return self.flag.removeprefix("--").replace("-", "_")
+
+    @property
+    def positional(self) -> bool:
+        return not self.flag.startswith("--")
 
 
 @functools.cache
@@ -100,7 +105,8 @@ def _argparse_kwargs(f: dataclasses.Field, hint: Any, default: Any, flag: str, d
     kwargs: dict[str, Any] = {"help": doc.replace("%", "%%")}
     hint = _optional(hint)
     if default is dataclasses.MISSING:
-        kwargs["required"] = True
+        if not f.metadata.get(POSITIONAL):  # argparse: a positional argument is required by being one
+            kwargs["required"] = True
     else:
         kwargs["default"] = default
     if hint is bool:
@@ -144,6 +150,8 @@ def _walk(cls: type, defaults: Any = None, prefix: str = "", path: tuple[str, ..
                 nested += _walk(value_cls, value, f"{prefix}{key}-", (*path, f.name, key))
         else:
             flag = "--" + prefix + f.metadata.get(FLAG, f.name.replace("_", "-")).removeprefix("--")
+            if f.metadata.get(POSITIONAL):
+                flag = prefix.replace("-", "_") + f.name
             if flag in knobs:  # a flag that sets several fields
                 knobs[flag] = dataclasses.replace(knobs[flag], paths=(*knobs[flag].paths, (*path, f.name)))
                 continue
@@ -166,7 +174,10 @@ def knobs(cls: type) -> tuple[Knob, ...]:
 def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
     """Adds a flag for every user knob of config class `cls` (see the module's docstring)."""
     for knob in knobs(cls):
-        parser.add_argument(knob.flag, dest=knob.dest, **knob.kwargs)
+        if knob.positional:  # argparse takes a positional argument's dest from its name
+            parser.add_argument(knob.dest, **knob.kwargs)
+        else:
+            parser.add_argument(knob.flag, dest=knob.dest, **knob.kwargs)
 
 
 def from_args(cls: type, args: argparse.Namespace) -> Any:

@@ -1,4 +1,5 @@
-"""What every stagemesh server has: grpc.health.v1, server reflection, and a bound loopback port."""
+"""What every stagemesh server has: grpc.health.v1, server reflection, a bound port (plaintext or TLS),
+and the channels between components."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import _async as reflection_aio
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
+
+from stagemesh.tls import Tls
 
 # Hidden states of a long prefill can be large; the default 4 MiB limit would reject them.
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
@@ -99,9 +102,11 @@ def is_wildcard(host: str) -> bool:
         return False
 
 
-def bind(server: grpc.aio.Server, host: str, port: int) -> int:
-    """Binds host:port (port 0 picks a free one) and returns the port bound."""
-    bound = server.add_insecure_port(host_port(host, port))
+def bind(server: grpc.aio.Server, host: str, port: int, credentials: grpc.ServerCredentials | None = None) -> int:
+    """Binds host:port (port 0 picks a free one), with TLS when credentials are given (stagemesh.tls),
+    and returns the port bound."""
+    address = host_port(host, port)
+    bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if bound == 0:
         raise OSError(f"cannot bind {host_port(host, port)}: is the port in use?")
     return bound
@@ -109,3 +114,10 @@ def bind(server: grpc.aio.Server, host: str, port: int) -> int:
 
 def insecure_channel(address: str) -> grpc.aio.Channel:
     return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+
+def channel(address: str, tls: Tls | None = None) -> grpc.aio.Channel:
+    """A channel to another component: mutual TLS against the mesh CA with tls, plaintext without."""
+    if tls is None:
+        return insecure_channel(address)
+    return grpc.aio.secure_channel(address, tls.channel_credentials(), options=CHANNEL_OPTIONS)

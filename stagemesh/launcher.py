@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
+
 from router.generation import GenerationConfig
 from stage_server.batcher import BatcherConfig
 from stagemesh.checkpoint import Quantization, ServingDtype
@@ -20,6 +22,8 @@ from stagemesh.config_flags import PORT_RULE, refused
 from stagemesh.processes import READY, LocalMesh, Process
 from stagemesh.supervisor import RestartPolicy, Supervisor
 from stagemesh.tiny_model import make_tiny_model
+from stagemesh.tls import load as load_tls
+from stagemesh.v1 import router_pb2, router_pb2_grpc
 
 __all__ = ["READY", "LocalMesh", "Process", "UpConfig", "run_up", "start_local_mesh", "wait_for_chains"]
 STOP_MARGIN_S = 10.0
@@ -43,7 +47,8 @@ class UpConfig:
     quantize: Quantization = "none"
     """int8 Linear weights in every stage (and the scheduler sizes them so)."""
     registry: str = "local"
-    """local (embedded, one machine) or consul://HOST:PORT: a scheduler places the layers."""
+    """local (embedded, one machine), consul://HOST:PORT or consul+https://HOST:PORT: a scheduler places the
+    layers."""
     prefill_chunk: int = GenerationConfig.prefill_chunk
     """The router's --prefill-chunk: prompt tokens per pipelined chunk (0: the whole prompt at once)."""
     max_batch_tokens: int = BatcherConfig.max_batch_tokens
@@ -64,6 +69,9 @@ class UpConfig:
     log_dir: str | None = None
     """Each process's log, and mesh.json (who runs where; `stagemesh roll` reads it), go here (default: a
     fresh temporary directory, printed)."""
+    tls: str | None = None
+    """Every process's --tls: mutual TLS between them with the certificates in this directory (`stagemesh certs
+    DIR` makes them), and TLS on the router's port (default: plaintext)."""
 
     def __post_init__(self) -> None:
         if not self.stages >= 1:
@@ -123,11 +131,12 @@ def start_local_mesh(model: str, *, stages: int, replicas: int = 1, router_port:
                      dtype: str = "float32", quantize: str = "none", threads: int | None = None,
                      prefill_chunk: int = GenerationConfig.prefill_chunk,
                      extra_stage_args: list[str] | None = None, extra_router_args: list[str] | None = None,
-                     registry: str | None = None,
+                     registry: str | None = None, tls: str | None = None,
                      log_dir: Path | None = None) -> tuple[LocalMesh, Process]:
     """Without registry: stages with fixed, even layer ranges and a router over them. With registry
     ("local", or a consul:// URL): a scheduler places layers on stages that announce a memory budget
-    for `stages` stages per chain, and the router follows the chains it publishes."""
+    for `stages` stages per chain, and the router follows the chains it publishes. tls: every process's
+    --tls directory."""
     from transformers import AutoConfig
 
     num_layers = AutoConfig.from_pretrained(model, local_files_only=True).num_hidden_layers
@@ -140,11 +149,13 @@ def start_local_mesh(model: str, *, stages: int, replicas: int = 1, router_port:
         cpus = os.cpu_count() or 1
         threads = max(1, cpus // (stages * replicas if dtype == "float32" else replicas))
     env = stage_env(threads)
+    secure = ["--tls", tls] if tls else []
     stage_args = ["stage", "--model", model, "--dtype", dtype, "--threads", str(threads), "--quantize", quantize,
-                  *(extra_stage_args or [])]
-    sizing = ["--dtype", dtype, "--quantize", quantize]  # the scheduler sizes weights as the stages hold them
+                  *secure, *(extra_stage_args or [])]
+    # The scheduler sizes weights as the stages hold them.
+    sizing = ["--dtype", dtype, "--quantize", quantize, *secure]
     router_args = ["router", "--model", model, "--port", str(router_port), "--prefill-chunk", str(prefill_chunk),
-                   *(extra_router_args or [])]
+                   *secure, *(extra_router_args or [])]
     try:
         if registry:
             url = registry
@@ -182,14 +193,13 @@ def _start_together(mesh: LocalMesh, specs: list[tuple[str, list[str]]], env: di
     return [mesh.wait_ready(p, timeout) for p in procs]
 
 
-def wait_for_chains(router_address: str, count: int, timeout: float = 120.0) -> list:
-    """Waits until the router has `count` healthy chains; returns them."""
-    import grpc
-
-    from stagemesh.v1 import router_pb2, router_pb2_grpc
-
+def wait_for_chains(router_address: str, count: int, timeout: float = 120.0, tls: str | None = None) -> list:
+    """Waits until the router has `count` healthy chains; returns them. tls: the --tls directory, whose CA
+    the router's certificate is checked against."""
+    mesh_tls = load_tls(tls)
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(router_address) as channel:
+    with (grpc.secure_channel(router_address, mesh_tls.channel_credentials()) if mesh_tls
+          else grpc.insecure_channel(router_address)) as channel:
         stub = router_pb2_grpc.RouterStub(channel)
         while True:
             chains = [c for c in stub.ListChains(router_pb2.ListChainsRequest(), timeout=5).chains if c.healthy]
@@ -208,9 +218,11 @@ def run_up(config: UpConfig) -> None:
     log_dir.mkdir(parents=True, exist_ok=True)
     drain = ["--drain-timeout-s", str(config.drain_timeout_s)]
     signal.signal(signal.SIGTERM, _interrupt)  # while starting, SIGTERM is Ctrl-C: what started is stopped
+    load_tls(config.tls)  # a wrong directory stops here, not in every process
     mesh, router = start_local_mesh(model, stages=config.stages, replicas=config.replicas, router_port=config.port,
                                     dtype=config.dtype, quantize=config.quantize, registry=config.registry,
                                     prefill_chunk=config.prefill_chunk, threads=config.threads, log_dir=log_dir,
+                                    tls=config.tls,
                                     extra_stage_args=["--max-batch-tokens", str(config.max_batch_tokens), *drain],
                                     extra_router_args=drain)
     policy = RestartPolicy(config.restart_backoff_s, config.restart_backoff_max_s, config.restart_reset_s)
@@ -224,9 +236,9 @@ def run_up(config: UpConfig) -> None:
         stop.set()
 
     try:
-        chains = wait_for_chains(router.address, config.replicas)
+        chains = wait_for_chains(router.address, config.replicas, tls=config.tls)
         supervisor.write_state()
-        _print_welcome(model, mesh, router, chains, supervisor)
+        _print_welcome(model, mesh, router, chains, supervisor, config.tls)
         signal.signal(signal.SIGINT, on_signal)
         signal.signal(signal.SIGTERM, on_signal)
         supervisor.run(stop)
@@ -242,7 +254,8 @@ def run_up(config: UpConfig) -> None:
         print("stopped", flush=True)
 
 
-def _print_welcome(model: str, mesh: LocalMesh, router: Process, chains: list, supervisor: Supervisor) -> None:
+def _print_welcome(model: str, mesh: LocalMesh, router: Process, chains: list, supervisor: Supervisor,
+                   tls: str | None) -> None:
     print(f"\nstagemesh is up for {model}; logs in {mesh.log_dir}")
     for proc in mesh.processes:
         print(f"  {proc.name:<12} {proc.address:<22} pid {proc.pid}")
@@ -250,11 +263,13 @@ def _print_welcome(model: str, mesh: LocalMesh, router: Process, chains: list, s
     for chain in chains:
         print(f"  {chain.chain_id}: " + " -> ".join(f"{s.address}[{s.layer_start}:{s.layer_end}]"
                                                     for s in chain.stages))
-    print(f"\nThe plan: stagemesh plan --model {model} --registry {mesh.registry_url}")
+    secure = f" --tls {tls}" if tls else ""
+    print(f"\nThe plan: stagemesh plan --model {model} --registry {mesh.registry_url}{secure}")
+    grpcurl = f"grpcurl -cacert {Path(tls) / 'ca.pem'}" if tls else "grpcurl -plaintext"
     print(f"""
 Call it:
-  grpcurl -plaintext {router.address} list
-  grpcurl -plaintext -d '{{"prompt": "Once upon a time", "max_new_tokens": 32}}' \\
+  {grpcurl} {router.address} list
+  {grpcurl} -d '{{"prompt": "Once upon a time", "max_new_tokens": 32}}' \\
       {router.address} stagemesh.v1.Router/Generate
   python scripts/generate_client.py --router {router.address} "Once upon a time"
 

@@ -1,4 +1,5 @@
-"""Structured logs: one JSON object per line, with request_id (and session_id) carried across hops."""
+"""Structured logs: one JSON object per line, with request_id (and session_id) carried across hops, and the
+router's caller (its token's name, never the token)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import logging
 import sys
 import time
 
-_FIELDS = ("request_id", "session_id", "chain", "stage", "code", "peer")
+_FIELDS = ("request_id", "caller", "session_id", "chain", "stage", "code", "peer")
 
 
 class JsonFormatter(logging.Formatter):

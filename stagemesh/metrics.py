@@ -25,6 +25,9 @@ TOKEN_TURNAROUND = Histogram(
 FAILOVERS = Counter("stagemesh_router_failovers_total", "Streams moved to another chain after a stage failed")
 STEP_TIMEOUTS = Counter("stagemesh_router_step_timeouts_total",
                         "Stage answers that did not come within the progress timeout (hung or unreachable stage)")
+AUTH_REFUSED = Counter("stagemesh_router_auth_refused_total",
+                       "Calls refused by --auth-tokens: by status, and the caller's name when its token was valid",
+                       ["code", "caller"])
 FULL_RETRIES = Counter("stagemesh_router_full_retries_total",
                        "Waits (with backoff) because every chain tried was full")
 

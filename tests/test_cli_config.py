@@ -36,6 +36,7 @@ MINIMAL = {
     "plan": ["--model", "m"],
     "up": [],
     "roll": ["--mesh", "d"],
+    "certs": ["d"],
 }
 """The fewest flags each subcommand builds a valid config from."""
 
@@ -61,6 +62,8 @@ def field_flags(cls: type, prefix: str = "", path: tuple = ()) -> tuple[dict[str
         hint, default = hints[f.name], f.default_factory() if callable(f.default_factory) else f.default
         if "flag" in f.metadata and f.metadata["flag"] is None:
             excluded.add(f"{cls.__name__}.{f.name}")
+        elif f.metadata.get("positional"):  # argparse names a positional argument by its dest
+            found.setdefault(f.name, []).append((*path, f.name))
         elif dataclasses.is_dataclass(hint):
             sub, sub_excluded = field_flags(hint, prefix, (*path, f.name))
             found.update(sub)
@@ -117,14 +120,15 @@ def test_flag_defaults_are_the_dataclass_defaults(command):
     parsed = build(command)
     required = {"model": "m"} if command in ("stage", "router", "scheduler", "plan") else {}
     required = {"mesh": "d"} if command == "roll" else required
-    extra = {"stage": {"layer_start": 0, "layer_end": 4}, "router": {"chains": ["127.0.0.1:1"]}}.get(command, {})
+    extra = {"stage": {"layer_start": 0, "layer_end": 4}, "router": {"chains": ["127.0.0.1:1"]},
+             "certs": {"directory": "d"}}.get(command, {})
     direct = cli.COMMANDS[command].config(**required, **extra)
     if command == "scheduler":
         direct = dataclasses.replace(direct, scheduler_id=parsed.scheduler_id)
     assert parsed == direct
     promised, _ = field_flags(cli.COMMANDS[command].config)
     for flag, action in flags(subparsers(cli.build_parser())[command]).items():
-        if flag in MINIMAL[command]:
+        if flag in MINIMAL[command] or not action.option_strings:  # given, or a (required) positional argument
             continue
         field_default = declared_default(cli.COMMANDS[command].config, promised[flag][0])
         if isinstance(action, argparse._AppendAction):  # argparse would append to a default list
@@ -223,6 +227,10 @@ REFUSED = [
     (["up", "--restart-backoff-s", "5", "--restart-backoff-max-s", "1"], "--restart-backoff-max-s 1: must be >= "),
     (["up", "--restart-reset-s", "0"], "--restart-reset-s 0: must be > 0"),
     (["roll", "--mesh", "d", "--timeout-s", "0"], "--timeout-s 0: must be > 0"),
+    (["certs", "d", "--days", "0"], "--days 0: must be >= 1"),
+    (["router", *MINIMAL["router"], "--public-cert", "c.pem"], "give --public-cert and --public-key together"),
+    (["router", *MINIMAL["router"], "--client-ca", "ca.pem"], "--client-ca needs TLS on the public port"),
+    (["stage", *MINIMAL["stage"], "--tls", "/nonexistent"], "ca.pem, mesh.pem, mesh-key.pem missing there"),
 ]
 
 
@@ -236,6 +244,7 @@ def test_out_of_range_values_are_refused_naming_the_flag(argv, message, capsys):
 
 
 @pytest.mark.parametrize("argv", [["stage", *MINIMAL["stage"], "--speed", "fast"],
+                                  ["certs", "d", "--hosts", "bad host!"],
                                   ["stage", "--model", "m", "--layers", "4"],
                                   ["router", *MINIMAL["router"], "--wire-dtype", "int4"],
                                   ["up", "--dtype", "float64"]])

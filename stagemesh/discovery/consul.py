@@ -71,9 +71,15 @@ def _kv_entry(item: dict) -> KVEntry:
 class ConsulRegistry:
     """Implements discovery.registry.Registry against a Consul agent's HTTP API."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 8500, token: str | None = None, max_watches: int = 32):
+    def __init__(self, host: str = "127.0.0.1", port: int = 8500, token: str | None = None, max_watches: int = 32,
+                 scheme: str = "http", verify: bool | str = True, cert: tuple[str, str] | None = None,
+                 grpc_check_tls: bool = False):
+        """scheme "https" verifies the agent against `verify` (a CA file, or True: the system's CAs) and
+        presents `cert` (certificate, key) if given; grpc_check_tls: the services registered serve TLS, so
+        the agent's gRPC health checks must dial them with TLS."""
         self.address = f"{host}:{port}"
-        self._consul = consul.Consul(host=host, port=port, token=token)
+        self.grpc_check_tls = grpc_check_tls
+        self._consul = consul.Consul(host=host, port=port, token=token, scheme=scheme, verify=verify, cert=cert)
         self._calls = ThreadPoolExecutor(4, thread_name_prefix="consul")
         self._watches = ThreadPoolExecutor(max_watches, thread_name_prefix="consul-watch")
         self._sessions: dict[tuple[str, str], str] = {}  # (lock key, holder_id) -> session id
@@ -119,6 +125,7 @@ class ConsulRegistry:
         grpc_id, ttl_id = _check_ids(record.service_id)
         grpc_check = {"CheckID": grpc_id, "Name": "grpc.health.v1 of the stage server",
                       **consul.Check.grpc(record.address, _duration(GRPC_CHECK_INTERVAL_S),
+                                          use_tls=self.grpc_check_tls or None,
                                           timeout=_duration(GRPC_CHECK_INTERVAL_S), deregister=after)}
         ttl_check = {"CheckID": ttl_id, "Name": "stagemesh heartbeat", "Status": "passing",
                      **consul.Check.ttl(_duration(ttl_s)), "DeregisterCriticalServiceAfter": after}

@@ -15,6 +15,7 @@ from stagemesh.discovery.registry import (
     check_key,
     check_ttl,
 )
+from stagemesh.tls import Tls
 from stagemesh.v1 import registry_pb2, registry_pb2_grpc
 
 
@@ -46,17 +47,19 @@ def entry_from_pb(pb: registry_pb2.KvEntry) -> KVEntry:
 
 class EmbeddedRegistryClient:
     """Implements discovery.registry.Registry over the stagemesh.v1.Registry gRPC service (see
-    registry/service.py). Watches are server-side waits bounded by their timeout."""
+    registry/service.py). Watches are server-side waits bounded by their timeout. With tls, mutual TLS
+    against the mesh CA (the registry server then requires it)."""
 
-    def __init__(self, address: str, call_timeout_s: float = 5.0):
+    def __init__(self, address: str, call_timeout_s: float = 5.0, tls: Tls | None = None):
         self.address = address
         self.call_timeout_s = call_timeout_s
+        self.tls = tls
         self._channel: grpc.aio.Channel | None = None
         self._stub: registry_pb2_grpc.RegistryStub | None = None
 
     async def _call(self, method: str, request, wait_s: float = 0.0):
         if self._stub is None:  # made on first use, inside the caller's event loop
-            self._channel = grpc_server.insecure_channel(self.address)
+            self._channel = grpc_server.channel(self.address, self.tls)
             self._stub = registry_pb2_grpc.RegistryStub(self._channel)
         try:
             return await getattr(self._stub, method)(request, timeout=min(wait_s, MAX_WAIT_S) + self.call_timeout_s)

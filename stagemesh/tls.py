@@ -1,0 +1,112 @@
+"""Mutual TLS between stagemesh's components: one private CA, one mesh certificate every component
+presents as server and as client (`stagemesh certs` makes them; stagemesh/certs.py).
+
+A `--tls DIR` names a directory holding ca.pem, mesh.pem and mesh-key.pem. It is read once, when a
+server or client starts, and checked here (files present, the certificate issued by the CA, the key
+its own, not expired), so that a wrong directory stops the process with a message instead of every
+handshake failing later without one.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from cryptography import x509
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import serialization
+
+log = logging.getLogger("stagemesh.tls")
+
+CA_FILE = "ca.pem"
+"""The CA every component trusts: a peer is one of ours if its certificate was issued by it."""
+CERT_FILE = "mesh.pem"
+"""The certificate every component presents, as server and as client."""
+KEY_FILE = "mesh-key.pem"
+"""mesh.pem's private key: readable by its owner only."""
+CA_KEY_FILE = "ca-key.pem"
+"""The CA's private key, kept where `stagemesh certs` ran (it issues new mesh certificates); no host needs it."""
+
+
+@dataclass(frozen=True)
+class Tls:
+    """A --tls directory, read and checked: what servers present and require, and what clients present."""
+
+    directory: Path
+    ca: bytes
+    cert: bytes
+    key: bytes = field(repr=False)
+
+    @property
+    def ca_path(self) -> Path:
+        """The CA on disk, for clients that take a path (requests, for Consul)."""
+        return self.directory / CA_FILE
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        """Serves with the mesh certificate and refuses any client without a certificate from the CA."""
+        return server_credentials(self.cert, self.key, client_ca=self.ca)
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        """Trusts only servers with a certificate from the CA, and presents the mesh certificate."""
+        return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key,
+                                            certificate_chain=self.cert)
+
+
+def server_credentials(cert: bytes, key: bytes, client_ca: bytes | None) -> grpc.ServerCredentials:
+    """TLS with cert/key; with client_ca, a client must present a certificate issued by it."""
+    return grpc.ssl_server_credentials([(key, cert)], root_certificates=client_ca,
+                                       require_client_auth=client_ca is not None)
+
+
+def read_file(path: str | Path, what: str) -> bytes:
+    """A credential file's bytes, or an error that says which file and which flag."""
+    try:
+        return Path(path).read_bytes()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{what} {path}: no such file") from None
+    except IsADirectoryError:
+        raise ValueError(f"{what} {path}: is a directory, not a PEM file") from None
+
+
+def load(directory: str | Path | None) -> Tls | None:
+    """The --tls directory, checked; None (plaintext) when no directory is given."""
+    if directory is None:
+        return None
+    root = Path(directory)
+    missing = [name for name in (CA_FILE, CERT_FILE, KEY_FILE) if not (root / name).is_file()]
+    if missing:
+        raise FileNotFoundError(f"--tls {root}: {', '.join(missing)} missing there; make the files with "
+                                f"`stagemesh certs {root}` (and copy ca.pem, mesh.pem, mesh-key.pem to every host)")
+    tls = Tls(root, (root / CA_FILE).read_bytes(), (root / CERT_FILE).read_bytes(), (root / KEY_FILE).read_bytes())
+    check(tls)
+    if (root / KEY_FILE).stat().st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        log.warning(f"{root / KEY_FILE} is readable by other users than its owner: chmod 600 it")
+    return tls
+
+
+def check(tls: Tls) -> None:
+    """ValueError when the files do not make a working mesh identity."""
+    where = f"--tls {tls.directory}"
+    try:
+        ca = x509.load_pem_x509_certificate(tls.ca)
+        cert = x509.load_pem_x509_certificate(tls.cert)
+        key = serialization.load_pem_private_key(tls.key, password=None)
+    except ValueError as exc:
+        raise ValueError(f"{where}: not PEM certificates and an unencrypted PEM key ({exc})") from None
+    try:
+        cert.verify_directly_issued_by(ca)
+    except (ValueError, TypeError, InvalidSignature):
+        raise ValueError(f"{where}: {CERT_FILE} was not issued by {CA_FILE}; make both with `stagemesh certs`, "
+                         "or put the CA that issued it in ca.pem") from None
+    if key.public_key().public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo) != \
+            cert.public_key().public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo):
+        raise ValueError(f"{where}: {KEY_FILE} is not the key of {CERT_FILE}")
+    now = datetime.datetime.now(datetime.UTC)
+    for name, c in ((CA_FILE, ca), (CERT_FILE, cert)):
+        if not c.not_valid_before_utc <= now <= c.not_valid_after_utc:
+            raise ValueError(f"{where}: {name} is valid from {c.not_valid_before_utc:%Y-%m-%d} to "
+                             f"{c.not_valid_after_utc:%Y-%m-%d}, not now; make new ones with `stagemesh certs`")

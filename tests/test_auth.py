@@ -1,0 +1,272 @@
+"""Callers' tokens at the router (`--auth-tokens FILE`): who may call, at which priority, how often;
+reloaded without a restart; the tokens themselves in no log line."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from router.auth import TokenBucket, parse_tokens
+from stagemesh import grpc_server
+from stagemesh.launcher import LocalMesh, stage_env
+from stagemesh.log import JsonFormatter
+from stagemesh.v1 import router_pb2, router_pb2_grpc
+from tests.conftest import collect, hf_greedy, splits, start_mesh
+
+BILLING = "billing-0123456789abcdef-secret"
+OPS = "ops-0123456789abcdef-secret-token"
+SLOW = "slow-0123456789abcdef-secret-tok"
+NEWCOMER = "newcomer-0123456789abcdef-secret"
+ALL_TOKENS = (BILLING, OPS, SLOW, NEWCOMER)
+PROMPT = [21, 22, 23, 24]
+
+
+def token_file(path: Path, *entries: dict) -> Path:
+    path.write_text(json.dumps({"tokens": list(entries)}))
+    path.chmod(0o600)
+    return path
+
+
+def bearer(token: str) -> list[tuple[str, str]]:
+    return [("authorization", f"Bearer {token}")]
+
+
+@pytest.fixture(scope="module")
+def tokens_path(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("auth") / "tokens.json"
+
+
+@pytest.fixture(scope="module")
+async def mesh(tiny_model, tokens_path):
+    token_file(tokens_path,
+               {"name": "billing", "token": BILLING, "max_priority": 0, "requests_per_second": 1000},
+               {"name": "ops", "token": OPS, "max_priority": 5},
+               {"name": "slow", "token": SLOW, "requests_per_second": 0.1})
+    mesh = await start_mesh(tiny_model, [splits(4, 4)], router_options={"auth_tokens": str(tokens_path)})
+    yield mesh
+    await mesh.stop()
+
+
+async def code_of(call) -> grpc.StatusCode:
+    """The status a call ends with (OK if it ends well), reading a stream to its end."""
+    try:
+        result = call
+        if hasattr(call, "__aiter__"):
+            async for _ in call:
+                pass
+        else:
+            await result
+    except grpc.aio.AioRpcError as exc:
+        return exc.code()
+    return grpc.StatusCode.OK
+
+
+def calls(stub: router_pb2_grpc.RouterStub, metadata, priority: int = 0) -> dict[str, Callable]:
+    """Each Router method, to call with this metadata (a call starts when made, so each is made on demand)."""
+    request = router_pb2.GenerateRequest(token_ids=PROMPT, max_new_tokens=2, priority=priority)
+    return {
+        "Generate": lambda: stub.Generate(request, metadata=metadata, timeout=30),
+        "GenerateBatch": lambda: stub.GenerateBatch(router_pb2.GenerateBatchRequest(requests=[request]),
+                                                    metadata=metadata, timeout=30),
+        "ListChains": lambda: stub.ListChains(router_pb2.ListChainsRequest(), metadata=metadata, timeout=10),
+    }
+
+
+async def status(stub: router_pb2_grpc.RouterStub, method: str, metadata, priority: int = 0) -> grpc.StatusCode:
+    return await code_of(calls(stub, metadata, priority)[method]())
+
+
+@pytest.mark.parametrize("metadata", [
+    [], bearer("not-a-token-of-ours-at-all"), [("authorization", BILLING)], [("authorization", f"Basic {BILLING}")],
+    bearer(BILLING[:-1]), [("x-token", BILLING)],
+], ids=["none", "wrong", "no scheme", "basic", "a prefix of a good one", "another header"])
+async def test_a_call_without_a_valid_token_is_unauthenticated(mesh, metadata):
+    stub = mesh.router_stub
+    for method, call in calls(stub, metadata).items():
+        assert await code_of(call()) == grpc.StatusCode.UNAUTHENTICATED, method
+
+
+async def test_a_good_token_gets_the_exact_stream_and_the_chains(mesh, hf_models):
+    stub = mesh.router_stub
+    ids, _, _ = await collect(stub.Generate(router_pb2.GenerateRequest(token_ids=PROMPT, max_new_tokens=10),
+                                            metadata=bearer(BILLING), timeout=30))
+    assert ids == hf_greedy(hf_models["llama"], PROMPT, 10)
+    chains = await stub.ListChains(router_pb2.ListChainsRequest(), metadata=bearer(BILLING), timeout=10)
+    assert len(chains.chains) == 1
+    assert not any(t in str(chains) for t in ALL_TOKENS)
+    batch = [r async for r in stub.GenerateBatch(router_pb2.GenerateBatchRequest(requests=[
+        router_pb2.GenerateRequest(token_ids=PROMPT, max_new_tokens=3)] * 2), metadata=bearer(BILLING), timeout=30)]
+    assert {r.index for r in batch} == {0, 1} and not any(r.error_code for r in batch)
+
+
+async def test_health_and_reflection_stay_open(mesh):
+    async with grpc_server.insecure_channel(mesh.router.address) as channel:
+        health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        stream = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)
+        services = [s.name async for r in stream for s in r.list_services_response.service]
+        assert "stagemesh.v1.Router" in services
+
+
+async def test_a_priority_above_the_tokens_allowance_is_permission_denied(mesh):
+    stub = mesh.router_stub
+    for method, call in calls(stub, bearer(BILLING), priority=1).items():
+        expected = grpc.StatusCode.OK if method == "ListChains" else grpc.StatusCode.PERMISSION_DENIED
+        assert await code_of(call()) == expected, method
+    try:
+        await collect(stub.Generate(router_pb2.GenerateRequest(token_ids=PROMPT, max_new_tokens=2, priority=1),
+                                    metadata=bearer(BILLING), timeout=30))
+    except grpc.aio.AioRpcError as exc:
+        assert "max_priority 0" in exc.details() and "billing" in exc.details()
+    for method, call in calls(stub, bearer(OPS), priority=5).items():  # its own allowance is fine
+        assert await code_of(call()) == grpc.StatusCode.OK, method
+    assert await status(stub, "Generate", bearer(OPS), priority=6) == grpc.StatusCode.PERMISSION_DENIED
+    # batch priority: < 0 is always within a token's allowance
+    assert await status(stub, "Generate", bearer(BILLING), priority=-3) == grpc.StatusCode.OK
+
+
+async def test_over_its_rate_a_caller_is_resource_exhausted(mesh):
+    stub = mesh.router_stub
+    list_chains = lambda: stub.ListChains(router_pb2.ListChainsRequest(), metadata=bearer(SLOW), timeout=10)  # noqa: E731
+    # One request per 10 s, a burst of one (the bucket starts full; the rest is test_token_buckets_...).
+    assert await code_of(list_chains()) == grpc.StatusCode.OK
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await list_chains()
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "0.1 requests per second" in err.value.details()
+    assert await status(stub, "ListChains", bearer(BILLING)) == grpc.StatusCode.OK  # others unaffected
+    two = router_pb2.GenerateBatchRequest(requests=[router_pb2.GenerateRequest(token_ids=PROMPT, max_new_tokens=2)] * 2)
+    with pytest.raises(grpc.aio.AioRpcError) as err:  # two prompts at once: more than a burst of 1
+        async for _ in stub.GenerateBatch(two, metadata=bearer(SLOW), timeout=30):
+            pass
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "split the batch" in err.value.details()
+
+
+def test_token_buckets_refill_at_their_rate():
+    now = [0.0]
+    bucket = TokenBucket(2.0, clock=lambda: now[0])
+    assert [bucket.take() for _ in range(3)] == [True, True, False]  # burst = rate
+    now[0] += 0.5
+    assert [bucket.take(), bucket.take()] == [True, False]
+    now[0] += 10
+    assert not bucket.take(3)  # more than the burst: refused, and takes nothing
+    assert bucket.take(2) and not bucket.take()  # never more than the burst, however long it waited
+    slow = TokenBucket(0.5, clock=lambda: now[0])
+    assert slow.take() and not slow.take()  # a rate under 1 still lets one request through at a time
+    now[0] += 2
+    assert slow.take()
+
+
+async def test_reload_adds_and_revokes_tokens_without_a_restart(mesh, tokens_path):
+    stub = mesh.router_stub
+    before = tokens_path.read_text()
+    try:
+        token_file(tokens_path, {"name": "ops", "token": OPS, "max_priority": 5},
+                   {"name": "newcomer", "token": NEWCOMER})
+        assert mesh.router.reload_tokens()
+        assert await status(stub, "ListChains", bearer(BILLING)) == grpc.StatusCode.UNAUTHENTICATED
+        assert await status(stub, "Generate", bearer(NEWCOMER)) == grpc.StatusCode.OK
+        assert await status(stub, "ListChains", bearer(OPS)) == grpc.StatusCode.OK
+        # A file that does not parse changes nothing: the tokens in force stay in force.
+        tokens_path.write_text('{"tokens": [{"name": "x", "token": "short"}]}')
+        assert not mesh.router.reload_tokens()
+        assert await status(stub, "ListChains", bearer(NEWCOMER)) == grpc.StatusCode.OK
+    finally:
+        tokens_path.write_text(before)
+        assert mesh.router.reload_tokens()
+    assert await status(stub, "ListChains", bearer(NEWCOMER)) == grpc.StatusCode.UNAUTHENTICATED
+    assert await status(stub, "ListChains", bearer(BILLING)) == grpc.StatusCode.OK
+
+
+async def test_logs_name_the_caller_and_never_show_a_token(mesh, caplog):
+    caplog.set_level(logging.DEBUG)
+    stub = mesh.router_stub
+    await collect(stub.Generate(router_pb2.GenerateRequest(token_ids=PROMPT, max_new_tokens=3, request_id="r-auth-1"),
+                                metadata=bearer(BILLING), timeout=30))
+    for metadata, priority in ((bearer(BILLING), 9), (bearer(BILLING[:-1] + "x"), 0), ([], 0)):
+        await status(stub, "Generate", metadata, priority)
+    mesh.router.reload_tokens()
+    formatted = [JsonFormatter().format(r) for r in caplog.records]
+    lines = [json.loads(f) for f in formatted]
+    assert any(e.get("request_id") == "r-auth-1" and e.get("caller") == "billing" and "generate" in e["msg"]
+               for e in lines), formatted
+    assert any(e.get("caller") == "billing" and e.get("code") == "PERMISSION_DENIED" for e in lines), formatted
+    assert any(e.get("code") == "UNAUTHENTICATED" for e in lines), formatted
+    text = "\n".join(formatted)
+    assert not any(t in text or t[:-1] in text for t in ALL_TOKENS)
+
+
+@pytest.mark.parametrize(("doc", "message"), [
+    ("not json", "not JSON"),
+    ('{"callers": []}', 'expected {"tokens"'),
+    ('{"tokens": [{"name": "a", "token": "short"}]}', "at least 16"),
+    ('{"tokens": [{"name": "a", "token": "has a space in it ok"}]}', "without spaces"),
+    ('{"tokens": [{"name": "", "token": "0123456789abcdefgh"}]}', "name must be"),
+    ('{"tokens": [{"name": "a", "token": "0123456789abcdefgh", "max_prio": 1}]}', "unknown field"),
+    ('{"tokens": [{"name": "a", "token": "0123456789abcdefgh", "max_priority": 1.5}]}', "max_priority must be"),
+    ('{"tokens": [{"name": "a", "token": "0123456789abcdefgh", "requests_per_second": 0}]}', "requests_per_second"),
+    ('{"tokens": [{"name": "a", "token": "0123456789abcdefgh"}, {"name": "a", "token": "0123456789abcdefgX"}]}',
+     "names must be unique"),
+    ('{"tokens": [{"name": "a", "token": "0123456789abcdefgh"}, {"name": "b", "token": "0123456789abcdefgh"}]}',
+     "the same token"),
+])
+def test_a_malformed_token_file_is_refused_without_showing_tokens(doc, message):
+    with pytest.raises(ValueError, match=message) as err:
+        parse_tokens(doc, "tokens.json")
+    assert "0123456789abcdefg" not in str(err.value)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sighup_reloads_the_tokens_of_a_router_process(tiny_model, tmp_path):
+    """`stagemesh router --auth-tokens FILE`: SIGHUP swaps the tokens in place; the process's log names the
+    caller and holds no token. (A router over a stage that is not there: ListChains answers all the same.)"""
+    path = token_file(tmp_path / "tokens.json", {"name": "billing", "token": BILLING})
+    mesh = LocalMesh(str(tiny_model), tmp_path)
+    router = mesh.spawn("router", ["router", "--model", str(tiny_model), "--port", "0", "--auth-tokens", str(path),
+                                   "--chain", f"127.0.0.1:{free_port()}"], stage_env(1))
+    try:
+        with grpc.insecure_channel(router.address) as channel:
+            stub = router_pb2_grpc.RouterStub(channel)
+
+            def list_chains(metadata) -> grpc.StatusCode:
+                try:
+                    stub.ListChains(router_pb2.ListChainsRequest(), metadata=metadata, timeout=10)
+                except grpc.RpcError as exc:
+                    return exc.code()
+                return grpc.StatusCode.OK
+
+            assert list_chains(bearer(BILLING)) == grpc.StatusCode.OK
+            assert list_chains([]) == grpc.StatusCode.UNAUTHENTICATED
+            token_file(path, {"name": "newcomer", "token": NEWCOMER})
+            os.kill(router.popen.pid, signal.SIGHUP)
+            deadline = time.monotonic() + 20
+            while list_chains(bearer(BILLING)) == grpc.StatusCode.OK and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert list_chains(bearer(BILLING)) == grpc.StatusCode.UNAUTHENTICATED
+            assert list_chains(bearer(NEWCOMER)) == grpc.StatusCode.OK
+            with pytest.raises(grpc.RpcError) as err:  # no chain to serve it: logged with the caller's name
+                list(stub.Generate(router_pb2.GenerateRequest(token_ids=PROMPT, max_new_tokens=2),
+                                   metadata=bearer(NEWCOMER), timeout=10))
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert router.popen.poll() is None  # SIGHUP did not end it
+    finally:
+        mesh.stop()
+    log = router.log_path.read_text()
+    assert '"caller": "newcomer"' in log and "tokens reloaded" in log
+    assert not any(t in log for t in ALL_TOKENS)

@@ -1,0 +1,278 @@
+"""Mutual TLS between the components (`stagemesh certs`, `--tls DIR`): real servers on 127.0.0.1 with
+certificates made by our own certs code; a caller without a certificate from the mesh CA is refused
+by every stage and by the registry, and a TLS mesh serves the plaintext mesh's tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import shutil
+import stat
+from pathlib import Path
+
+import grpc
+import pytest
+from cryptography import x509
+from cryptography.x509.oid import ExtendedKeyUsageOID
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from registry.service import start_registry_server
+from router.server import RouterConfig, RouterServer
+from scheduler.server import print_plan
+from stagemesh import cli, grpc_server, tls
+from stagemesh.certs import CertsConfig, make_certs
+from stagemesh.discovery.backends import consul_target, open_registry
+from stagemesh.discovery.consul import ConsulRegistry
+from stagemesh.discovery.embedded import EmbeddedRegistryClient
+from stagemesh.discovery.registry import RegistryError
+from stagemesh.launcher import start_local_mesh, wait_for_chains
+from stagemesh.v1 import registry_pb2, registry_pb2_grpc, router_pb2, router_pb2_grpc, stage_pb2, stage_pb2_grpc
+from tests.conftest import collect, hf_greedy, splits, start_mesh
+
+PROMPT = [11, 12, 13, 14, 15, 16]
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory) -> dict[str, tls.Tls]:
+    """The mesh's certificates, and those of two other authorities (strangers, and a caller CA)."""
+    root = tmp_path_factory.mktemp("certs")
+    return {name: tls.load(make_certs(CertsConfig(str(root / name)))) for name in ("mesh", "other", "callers")}
+
+
+def stranger_channels(address: str, certs: dict[str, tls.Tls]) -> dict[str, grpc.aio.Channel]:
+    """Callers without a certificate from the mesh CA, each trusting the mesh CA (so only their own lack
+    of a mesh certificate can fail them): plaintext, TLS without a certificate, TLS with another CA's."""
+    mesh, other = certs["mesh"], certs["other"]
+    return {
+        "plaintext": grpc_server.insecure_channel(address),
+        "no certificate": grpc.aio.secure_channel(address, grpc.ssl_channel_credentials(mesh.ca)),
+        "another CA's certificate": grpc.aio.secure_channel(address, grpc.ssl_channel_credentials(
+            mesh.ca, private_key=other.key, certificate_chain=other.cert)),
+    }
+
+
+async def refused_by(address: str, certs: dict[str, tls.Tls], call) -> dict[str, grpc.StatusCode | None]:
+    """{caller kind: the status its call got (None: it got through)}."""
+    outcome = {}
+    for kind, channel in stranger_channels(address, certs).items():
+        try:
+            await call(channel)
+            outcome[kind] = None
+        except grpc.aio.AioRpcError as exc:
+            outcome[kind] = exc.code()
+        finally:
+            await channel.close()
+    return outcome
+
+
+def test_certs_makes_a_ca_and_a_mesh_certificate_for_server_and_client(tmp_path):
+    root = tmp_path / "tls"
+    cli.main(["certs", str(root), "--hosts", "10.0.0.5,stage-1.internal,::1"])
+    assert sorted(p.name for p in root.iterdir()) == ["ca-key.pem", "ca.pem", "mesh-key.pem", "mesh.pem"]
+    for key in ("ca-key.pem", "mesh-key.pem"):
+        assert stat.S_IMODE((root / key).stat().st_mode) == 0o600, key
+    assert stat.S_IMODE(root.stat().st_mode) == 0o700
+    cert = x509.load_pem_x509_certificate((root / "mesh.pem").read_bytes())
+    san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert san.get_values_for_type(x509.DNSName) == ["stage-1.internal"]
+    assert san.get_values_for_type(x509.IPAddress) == [ipaddress.ip_address("10.0.0.5"), ipaddress.ip_address("::1")]
+    usage = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    assert set(usage) == {ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH}
+    assert not cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+    ca = x509.load_pem_x509_certificate((root / "ca.pem").read_bytes())
+    cert.verify_directly_issued_by(ca)
+    assert tls.load(root) is not None
+
+    # Again, e.g. for more hosts: the CA stays (hosts keep trusting it), the mesh certificate is new.
+    ca_before = (root / "ca.pem").read_bytes()
+    make_certs(CertsConfig(str(root)))
+    assert (root / "ca.pem").read_bytes() == ca_before
+    again = x509.load_pem_x509_certificate((root / "mesh.pem").read_bytes())
+    assert again.serial_number != cert.serial_number
+    assert again.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
+        x509.DNSName) == ["localhost"]  # the default hosts: 127.0.0.1 and localhost
+    assert tls.load(root) is not None
+
+
+def test_a_wrong_tls_directory_is_refused_with_a_reason(tmp_path, certs):
+    with pytest.raises(FileNotFoundError, match="ca.pem, mesh.pem, mesh-key.pem missing there.*stagemesh certs"):
+        tls.load(tmp_path)
+    mixed = tmp_path / "mixed"
+    shutil.copytree(certs["mesh"].directory, mixed)
+    shutil.copy(certs["other"].directory / "mesh.pem", mixed / "mesh.pem")
+    with pytest.raises(ValueError, match="mesh.pem was not issued by ca.pem"):
+        tls.load(mixed)
+    shutil.copy(certs["mesh"].directory / "mesh.pem", mixed / "mesh.pem")
+    shutil.copy(certs["other"].directory / "mesh-key.pem", mixed / "mesh-key.pem")
+    with pytest.raises(ValueError, match="mesh-key.pem is not the key of mesh.pem"):
+        tls.load(mixed)
+    lone_ca = tmp_path / "lone"
+    lone_ca.mkdir()
+    shutil.copy(certs["mesh"].directory / "ca.pem", lone_ca / "ca.pem")
+    with pytest.raises(ValueError, match="has ca.pem but not ca-key.pem"):
+        make_certs(CertsConfig(str(lone_ca)))
+
+
+@pytest.fixture(scope="module")
+async def meshes(tiny_model, certs):
+    """The same two-stage chain twice: with --tls on stages and router, and plaintext."""
+    secure = {"tls": str(certs["mesh"].directory)}
+    tls_mesh = await start_mesh(tiny_model, [splits(4, 4)], stage_options=secure, router_options=secure)
+    plain_mesh = await start_mesh(tiny_model, [splits(4, 4)])
+    yield tls_mesh, plain_mesh
+    await tls_mesh.stop()
+    await plain_mesh.stop()
+
+
+async def generate(channel: grpc.aio.Channel, n: int = 12) -> list[int]:
+    stub = router_pb2_grpc.RouterStub(channel)
+    ids, _, _ = await collect(stub.Generate(router_pb2.GenerateRequest(token_ids=PROMPT, max_new_tokens=n),
+                                            timeout=60))
+    return ids
+
+
+async def test_a_tls_mesh_serves_the_plaintext_meshs_greedy_tokens(meshes, certs, hf_models):
+    tls_mesh, plain_mesh = meshes
+    # The router's public port serves TLS with the mesh certificate; callers need only trust the CA.
+    async with grpc.aio.secure_channel(tls_mesh.router.address,
+                                       grpc.ssl_channel_credentials(certs["mesh"].ca)) as channel:
+        secure_ids = await generate(channel)
+    async with grpc_server.insecure_channel(plain_mesh.router.address) as channel:
+        plain_ids = await generate(channel)
+    assert secure_ids == plain_ids == hf_greedy(hf_models["llama"], PROMPT, 12)
+
+
+async def test_every_stage_refuses_callers_without_a_mesh_certificate(meshes, certs):
+    tls_mesh, _ = meshes
+
+    async def info(channel):
+        return await stage_pb2_grpc.StageStub(channel).Info(stage_pb2.InfoRequest(), timeout=5)
+
+    for stage in tls_mesh.all_stages():
+        assert await refused_by(stage.address, certs, info) == {
+            "plaintext": grpc.StatusCode.UNAVAILABLE, "no certificate": grpc.StatusCode.UNAVAILABLE,
+            "another CA's certificate": grpc.StatusCode.UNAVAILABLE}, stage.address
+        async with grpc_server.channel(stage.address, certs["mesh"]) as channel:  # the router's own way in
+            assert (await info(channel)).layer_end > 0
+
+
+async def test_a_router_without_the_mesh_certificate_gets_no_chain(meshes, certs, tiny_model):
+    """The stages refuse a router that presents no mesh certificate, or another CA's."""
+    tls_mesh, _ = meshes
+    spec = ",".join(s.address for s in tls_mesh.stages[0])
+    for options in ({}, {"tls": str(certs["other"].directory)}):
+        router = RouterServer(RouterConfig(model=str(tiny_model), chains=[spec], port=0, **options))
+        try:
+            await router.start()
+            assert router.chains.usable() == [], options
+            assert await router.chains.check(router.chains.chains[0]) is False
+        finally:
+            await router.stop(0)
+
+
+async def test_the_public_port_takes_its_own_certificate_and_may_require_callers_certificates(
+        meshes, certs, tiny_model, hf_models):
+    """--public-cert/--public-key from another authority, --client-ca: callers need a certificate from it;
+    the router's own traffic to the stages still uses the mesh certificate."""
+    tls_mesh, _ = meshes
+    other, callers = certs["other"].directory, certs["callers"]
+    router = RouterServer(RouterConfig(
+        model=str(tiny_model), chains=[",".join(s.address for s in tls_mesh.stages[0])], port=0,
+        health_interval_s=0.2, tls=str(certs["mesh"].directory), public_cert=str(other / "mesh.pem"),
+        public_key=str(other / "mesh-key.pem"), client_ca=str(callers.ca_path)))
+    await router.start()
+    try:
+        assert len(router.chains.usable()) == 1
+        with_caller_cert = grpc.ssl_channel_credentials(certs["other"].ca, private_key=callers.key,
+                                                        certificate_chain=callers.cert)
+        async with grpc.aio.secure_channel(router.address, with_caller_cert) as channel:
+            assert await generate(channel, 6) == hf_greedy(hf_models["llama"], PROMPT, 6)
+
+        async def list_chains(channel):
+            return await router_pb2_grpc.RouterStub(channel).ListChains(router_pb2.ListChainsRequest(), timeout=5)
+
+        refusals = {
+            "plaintext": grpc.aio.insecure_channel(router.address),
+            "no certificate": grpc.aio.secure_channel(router.address, grpc.ssl_channel_credentials(certs["other"].ca)),
+            "the mesh certificate, not a caller's": grpc.aio.secure_channel(
+                router.address, grpc.ssl_channel_credentials(certs["other"].ca, private_key=certs["mesh"].key,
+                                                             certificate_chain=certs["mesh"].cert)),
+        }
+        for kind, channel in refusals.items():
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await list_chains(channel)
+            await channel.close()
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE, kind
+    finally:
+        await router.stop(0)
+
+
+async def test_the_registry_refuses_callers_without_a_mesh_certificate(certs):
+    server = await start_registry_server(tls=certs["mesh"])
+    try:
+        async def kv_get(channel):
+            return await registry_pb2_grpc.RegistryStub(channel).KvGet(registry_pb2.KvGetRequest(key="k"), timeout=5)
+
+        assert set((await refused_by(server.address, certs, kv_get)).values()) == {grpc.StatusCode.UNAVAILABLE}
+        member = EmbeddedRegistryClient(server.address, tls=certs["mesh"])
+        plain = EmbeddedRegistryClient(server.address)
+        try:
+            await member.kv_put("stagemesh/m/k", b"v")
+            assert (await member.kv_get("stagemesh/m/k"))[0] == b"v"
+            with pytest.raises(RegistryError, match="UNAVAILABLE"):
+                await plain.kv_get("stagemesh/m/k")
+        finally:
+            await member.close()
+            await plain.close()
+    finally:
+        await server.stop(0)
+
+
+def test_consul_over_https_takes_its_ca_token_and_client_certificate(certs):
+    mesh = certs["mesh"]
+    plain = consul_target("consul://consul.internal", mesh, env={"CONSUL_HTTP_TOKEN": "acl-secret"})
+    assert (plain.scheme, plain.host, plain.port, plain.token) == ("http", "consul.internal", 8500, "acl-secret")
+    target = consul_target("consul+https://consul.internal", mesh, env={})
+    assert (target.scheme, target.port, target.verify, target.cert, target.token) == (
+        "https", 8501, str(mesh.ca_path), None, None)
+    env = {"CONSUL_CACERT": "/etc/consul/ca.pem", "CONSUL_CLIENT_CERT": "/c.pem", "CONSUL_CLIENT_KEY": "/k.pem",
+           "CONSUL_HTTP_TOKEN": "acl-secret"}
+    target = consul_target("consul+https://10.0.0.9:9501", mesh, env=env)
+    assert (target.host, target.port, target.verify, target.cert, target.token) == (
+        "10.0.0.9", 9501, "/etc/consul/ca.pem", ("/c.pem", "/k.pem"), "acl-secret")
+    assert consul_target("consul+https://consul.internal", None, env={}).verify is True  # the system's CAs
+    with pytest.raises(ValueError, match="both CONSUL_CLIENT_CERT and CONSUL_CLIENT_KEY"):
+        consul_target("consul+https://h", mesh, env={"CONSUL_CLIENT_CERT": "/c.pem"})
+    for bad in ("consul+http://h:1", "consul+https://", "consul+https://h:port", "consul+https://h:1/path"):
+        with pytest.raises(ValueError, match="registry URL|address"):
+            open_registry(bad, mesh)
+
+    registry = open_registry("consul+https://consul.internal:8501", mesh)  # constructs without an agent
+    assert isinstance(registry, ConsulRegistry) and registry.grpc_check_tls
+    http = registry._consul.http
+    assert (http.base_uri, http.verify) == ("https://consul.internal:8501", str(mesh.ca_path))
+    assert not open_registry("consul://127.0.0.1:8500").grpc_check_tls
+
+
+def test_processes_with_tls_register_schedule_and_serve(tiny_model, certs, hf_models, tmp_path):
+    """`stagemesh scheduler/stage/router --tls`: the hosted registry, the stages' registrations, the router's
+    watch and its chain, all over mutual TLS; plaintext callers are refused by the registry and the stage."""
+    directory = str(certs["mesh"].directory)
+    mesh, router = start_local_mesh(str(tiny_model), stages=1, router_port=0, registry="local", tls=directory,
+                                    log_dir=tmp_path)
+    try:
+        chains = wait_for_chains(router.address, 1, timeout=90, tls=directory)
+        assert [len(c.stages) for c in chains] == [1]
+        with grpc.secure_channel(router.address, grpc.ssl_channel_credentials(certs["mesh"].ca)) as channel:
+            stub = router_pb2_grpc.RouterStub(channel)
+            ids = [t for r in stub.Generate(router_pb2.GenerateRequest(token_ids=PROMPT, max_new_tokens=8),
+                                            timeout=60) for t in r.token_ids]
+        assert ids == hf_greedy(hf_models["llama"], PROMPT, 8)
+        for address in [mesh.registry_url.removeprefix("local://"), *(s.address for s in chains[0].stages)]:
+            with grpc.insecure_channel(address) as channel, pytest.raises(grpc.RpcError) as err:
+                health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE, address
+        plan = asyncio.run(print_plan(mesh.registry_url, Path(tiny_model).name, certs["mesh"]))
+        assert "published chains:" in plan and "chain" in plan.split("published chains:")[1]
+    finally:
+        mesh.stop()
