@@ -116,7 +116,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
             await self.admission.acquire(req.priority, req.deadline)
         except AdmissionRefused as exc:
             log.warning(exc.message, extra=extra)
-            metrics.REQUESTS.labels(exc.code.name).inc()
+            metrics.count_request(exc.code.name, req.caller)
             raise
         metrics.QUEUE_WAIT.labels(cls).observe(time.perf_counter() - arrived)
         status = "CANCELLED"
@@ -146,7 +146,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
             raise
         finally:
             self.admission.release()
-            metrics.REQUESTS.labels(status).inc()
+            metrics.count_request(status, req.caller)
 
     async def Generate(self, request, context):
         # Closed with the call, not when collected: _stream gives its admission slot back then.

@@ -9,6 +9,14 @@ OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0025, 0.005, 0.01
 
 # Router
 REQUESTS = Counter("stagemesh_router_requests_total", "Generate requests by how they ended", ["status"])
+CALLER_REQUESTS = Counter("stagemesh_router_caller_requests_total",
+                          "Generate requests by caller (its token's name; empty without --auth-tokens) and how "
+                          "they ended", ["caller", "status"])
+
+
+def count_request(status: str, caller: str) -> None:
+    REQUESTS.labels(status).inc()
+    CALLER_REQUESTS.labels(caller, status).inc()
 TOKENS = Counter("stagemesh_router_tokens_total", "Tokens streamed to callers")
 TIME_TO_FIRST_TOKEN = Histogram("stagemesh_router_time_to_first_token_seconds",
                                 "From request arrival to its first token", ["priority_class"],

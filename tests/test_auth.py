@@ -16,6 +16,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from prometheus_client import REGISTRY, generate_latest
 
 from router.auth import TokenBucket, parse_tokens
 from stagemesh import grpc_server
@@ -270,3 +271,15 @@ def test_sighup_reloads_the_tokens_of_a_router_process(tiny_model, tmp_path):
     log = router.log_path.read_text()
     assert '"caller": "newcomer"' in log and "tokens reloaded" in log
     assert not any(t in log for t in ALL_TOKENS)
+
+
+async def test_requests_are_counted_per_caller_by_name_and_never_by_token(mesh):
+    before = REGISTRY.get_sample_value("stagemesh_router_caller_requests_total",
+                                       {"caller": "billing", "status": "OK"}) or 0.0
+    ids, _, _ = await collect(mesh.router_stub.Generate(
+        router_pb2.GenerateRequest(token_ids=[5, 6], max_new_tokens=2), metadata=bearer(BILLING), timeout=30))
+    assert len(ids) == 2
+    after = REGISTRY.get_sample_value("stagemesh_router_caller_requests_total", {"caller": "billing", "status": "OK"})
+    assert after == before + 1
+    exposition = generate_latest(REGISTRY).decode()
+    assert not any(t in exposition for t in ALL_TOKENS)
