@@ -15,6 +15,7 @@ import grpc
 import torch
 
 from stagemesh import grpc_server, metrics, tensor_codec
+from stagemesh.errors import REQUEST_ID_KEY
 from stagemesh.tls import Tls
 from stagemesh.v1 import stage_pb2, stage_pb2_grpc, tensor_pb2
 
@@ -181,7 +182,7 @@ class ChainSession:
                             session_id=self.session_id, max_length=self.max_length, request_id=self.request_id
                         ),
                         timeout=limit if timeout is None else min(limit, timeout),
-                        metadata=(("x-request-id", self.request_id),),
+                        metadata=((REQUEST_ID_KEY, self.request_id),),
                     )
                 except grpc.aio.AioRpcError as exc:
                     if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and (timeout is None or limit < timeout):
@@ -190,7 +191,7 @@ class ChainSession:
                     raise
                 self._opened.append(stage)
                 self._streams.append(
-                    stage.stub.Forward(timeout=self._timeout(), metadata=(("x-request-id", self.request_id),))
+                    stage.stub.Forward(timeout=self._timeout(), metadata=((REQUEST_ID_KEY, self.request_id),))
                 )
         except BaseException:
             await self.close()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import inspect
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -21,9 +21,13 @@ REQUEST_ID_KEY = "x-request-id"
 """Call metadata that carries the request id across hops (the router sets it on every stage call)."""
 
 
-def request_id_of(context: grpc.aio.ServicerContext) -> str:
+def request_id_in(metadata: Sequence[tuple[str, Any]] | None) -> str:
     """The request id a caller (the router, for a stage) sent in the call's metadata, or ""."""
-    return next((str(v) for k, v in context.invocation_metadata() or () if k == REQUEST_ID_KEY), "")
+    return next((str(v) for k, v in metadata or () if k == REQUEST_ID_KEY), "")
+
+
+def request_id_of(context: grpc.aio.ServicerContext) -> str:
+    return request_id_in(context.invocation_metadata())
 
 
 class StatusError(Exception):
@@ -75,7 +79,7 @@ class _Call:
     def __init__(self, interceptor: StatusInterceptor, details: grpc.HandlerCallDetails):
         self.interceptor = interceptor
         self.method = details.method.lstrip("/")
-        self.request_id = next((str(v) for k, v in details.invocation_metadata or () if k == REQUEST_ID_KEY), "")
+        self.request_id = request_id_in(details.invocation_metadata)
 
     async def fail(self, exc: Exception, context: grpc.aio.ServicerContext, request: Any = None) -> None:
         """Aborts the call for exc: always raises (grpc's AbortError)."""
