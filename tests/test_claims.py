@@ -24,10 +24,7 @@ from stagemesh.tiny_model import make_tiny_model
 from stagemesh.v1 import router_pb2
 from tests.conftest import collect, hf_greedy, splits, start_mesh
 from tests.test_exactness import prompt
-
-
-def request(ids: list[int], n: int, **kw) -> router_pb2.GenerateRequest:
-    return router_pb2.GenerateRequest(token_ids=ids, max_new_tokens=n, **kw)
+from tests.test_traffic import request
 
 
 async def until(condition, timeout: float, what: str, every: float = 0.01) -> float:

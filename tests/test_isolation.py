@@ -18,15 +18,11 @@ from stage_server.loader import load_stage
 from stage_server.sampling import Sampling
 from stage_server.sessions import SessionTable
 from stagemesh.request_limits import InvalidSampling
-from stagemesh.v1 import router_pb2
 from tests.conftest import collect, hf_greedy, splits, start_mesh
 from tests.test_exactness import prompt
+from tests.test_traffic import request
 
 POISON_SEED = 666
-
-
-def request(ids: list[int], n: int, **kw) -> router_pb2.GenerateRequest:
-    return router_pb2.GenerateRequest(token_ids=ids, max_new_tokens=n, **kw)
 
 
 async def test_a_step_that_fails_alone_fails_alone_and_the_chain_stays_usable(tiny_model, hf_models, monkeypatch):

@@ -21,10 +21,7 @@ from stagemesh.link_proxy import LinkProxy
 from stagemesh.v1 import router_pb2, router_pb2_grpc, stage_pb2
 from tests.conftest import collect, hf_greedy, splits, start_mesh
 from tests.test_exactness import prompt
-
-
-def request(ids: list[int], n: int, **kw) -> router_pb2.GenerateRequest:
-    return router_pb2.GenerateRequest(token_ids=ids, max_new_tokens=n, **kw)
+from tests.test_traffic import request
 
 
 async def router_over(mesh, model, chain_specs: list[str], **generation) -> router_pb2_grpc.RouterStub:
