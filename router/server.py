@@ -45,8 +45,8 @@ class RouterConfig:
     """Seconds between health checks of every chain's stages."""
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     registry: str | None = None
-    """Follow the chains the scheduler publishes there (local://HOST:PORT, consul://HOST:PORT or
-    consul+https://HOST:PORT) instead of --chain."""
+    """Follow the chains the scheduler publishes there (local://HOST:PORT, consul://HOST:PORT,
+    consul+https://HOST:PORT, etcd://HOST:PORT[,HOST:PORT...] or etcd+https://...) instead of --chain."""
     model_name: str = ""
     """The model's name in the registry (default: the checkpoint directory's name)."""
     tracing: TracingConfig = field(default_factory=TracingConfig)

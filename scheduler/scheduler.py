@@ -48,7 +48,7 @@ class SchedulerConfig:
     tracing: TracingConfig = field(default_factory=TracingConfig)
     registry: str = "local"
     """'local' hosts the embedded registry in this process; or local://HOST:PORT, consul://HOST:PORT,
-    consul+https://HOST:PORT."""
+    consul+https://HOST:PORT, etcd://HOST:PORT[,HOST:PORT...], etcd+https://HOST:PORT[,HOST:PORT...]."""
     host: str = "127.0.0.1"
     """The address the hosted registry serves on (with --registry local)."""
     registry_port: int = 50050

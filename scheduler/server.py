@@ -25,7 +25,8 @@ class PlanConfig:
     model: str
     """Local checkpoint directory (its name is the model's name by default)."""
     registry: str = "local://127.0.0.1:50050"
-    """The registry the scheduler publishes to (local://HOST:PORT, consul://HOST:PORT or consul+https://HOST:PORT)."""
+    """The registry the scheduler publishes to (local://HOST:PORT, consul://HOST:PORT, consul+https://HOST:PORT,
+    etcd://HOST:PORT[,HOST:PORT...] or etcd+https://...)."""
     model_name: str = ""
     """The model's name in the registry (default: the checkpoint directory's name)."""
     tls: str | None = None

@@ -47,8 +47,8 @@ class UpConfig:
     quantize: Quantization = "none"
     """int8 Linear weights in every stage (and the scheduler sizes them so)."""
     registry: str = "local"
-    """local (embedded, one machine), consul://HOST:PORT or consul+https://HOST:PORT: a scheduler places the
-    layers."""
+    """local (embedded, one machine), consul://HOST:PORT, consul+https://HOST:PORT, etcd://HOST:PORT[,HOST:PORT...]
+    or etcd+https://...: a scheduler places the layers."""
     prefill_chunk: int = GenerationConfig.prefill_chunk
     """The router's --prefill-chunk: prompt tokens per pipelined chunk (0: the whole prompt at once)."""
     max_batch_tokens: int = BatcherConfig.max_batch_tokens
@@ -134,7 +134,7 @@ def start_local_mesh(model: str, *, stages: int, replicas: int = 1, router_port:
                      registry: str | None = None, tls: str | None = None,
                      log_dir: Path | None = None) -> tuple[LocalMesh, Process]:
     """Without registry: stages with fixed, even layer ranges and a router over them. With registry
-    ("local", or a consul:// URL): a scheduler places layers on stages that announce a memory budget
+    ("local", or a consul:// or etcd:// URL): a scheduler places layers on stages that announce a memory budget
     for `stages` stages per chain, and the router follows the chains it publishes. tls: every process's
     --tls directory."""
     from transformers import AutoConfig

@@ -79,7 +79,7 @@ class EtcdRegistry:
         self._server_name = server_name
         self._user = user
         self._channel: grpc.aio.Channel | None = None
-        self._leases: dict[str, tuple[int, int]] = {}  # service_id -> (alive lease, record lease)
+        self._leases: dict[str, tuple] = {}  # service_id -> (alive lease, record lease, their TTLs asked)
         self._locks: dict[tuple[str, str], int] = {}  # (lock key, holder_id) -> lease
 
     # Connection and errors
@@ -125,16 +125,21 @@ class EtcdRegistry:
                                      timeout=self.call_timeout_s)
 
     async def _keep_alive(self, lease: int) -> bool:
-        """Renews a lease once; False: it expired or was revoked."""
-        async with self._errors("a lease keep-alive"):
-            call = self.lease.keep_alive(lease)
-            try:
-                async with asyncio.timeout(self.call_timeout_s):
+        """Renews a lease once; False: it expired or was revoked. A stream that breaks (its member died) is
+        opened again, on another member, until call_timeout_s."""
+        async with self._errors("a lease keep-alive"), asyncio.timeout(self.call_timeout_s):
+            while True:
+                call = self.lease.keep_alive(lease)
+                try:
                     async for response in call:
                         return response.TTL > 0
-            finally:
-                call.cancel()
-        return False
+                    return False
+                except grpc.aio.AioRpcError as e:
+                    if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL):
+                        raise
+                finally:
+                    call.cancel()
+                await asyncio.sleep(0.1)
 
     async def _revoke(self, *leases: int) -> None:
         async with self._errors("a lease revoke"):
@@ -162,24 +167,33 @@ class EtcdRegistry:
     # Services
 
     async def register(self, record: ServiceRecord, ttl_s: float, deregister_after_s: float | None = None) -> None:
+        """Registering again with the same TTLs keeps the leases while they live (a registrant that lost
+        a heartbeat to a dying member must not lose its place while it registers again)."""
         record.validate()
         check_ttl("ttl_s", ttl_s)
         after = 3 * ttl_s if deregister_after_s is None else deregister_after_s
-        async with self._errors(f"registering {record.service_id}"):
-            alive = await self.lease.grant(_seconds(ttl_s), timeout=self.call_timeout_s)
-            kept = await self.lease.grant(alive.TTL + _seconds(after), timeout=self.call_timeout_s)
-            value = json.dumps({"address": record.address, "model": record.model, "meta": record.meta,
-                                "leases": [alive.ID, kept.ID]}).encode()
-            await self.kv.txn([], [KVService.txn_op_put(_service_key(record.service_id), value, lease=kept.ID),
-                                   KVService.txn_op_put(_alive_key(record.service_id), b"", lease=alive.ID)],
-                              timeout=self.call_timeout_s)
+        timings = (_seconds(ttl_s), _seconds(after))
         previous = self._leases.get(record.service_id)
-        self._leases[record.service_id] = (alive.ID, kept.ID)
-        if previous:  # the keys moved to the new leases: revoking the old ones deletes nothing
-            await self._revoke(*previous)
+        leases = None
+        if previous and previous[2] == timings and await self._keep_alive(previous[0]) \
+                and await self._keep_alive(previous[1]):
+            leases = previous
+        async with self._errors(f"registering {record.service_id}"):
+            if leases is None:
+                alive = await self.lease.grant(timings[0], timeout=self.call_timeout_s)
+                kept = await self.lease.grant(alive.TTL + timings[1], timeout=self.call_timeout_s)
+                leases = (alive.ID, kept.ID, timings)
+            value = json.dumps({"address": record.address, "model": record.model, "meta": record.meta,
+                                "leases": list(leases[:2])}).encode()
+            await self.kv.txn([], [KVService.txn_op_put(_service_key(record.service_id), value, lease=leases[1]),
+                                   KVService.txn_op_put(_alive_key(record.service_id), b"", lease=leases[0])],
+                              timeout=self.call_timeout_s)
+        self._leases[record.service_id] = leases
+        if previous and previous is not leases:  # the keys moved to the new leases: this deletes nothing
+            await self._revoke(*previous[:2])
 
     async def _service_leases(self, service_id: str) -> tuple[int, int] | None:
-        leases = self._leases.get(service_id)
+        leases = self._leases.get(service_id, ())[:2] or None
         if leases is None:  # registered by another client (or process): the record names its leases
             response = await self._range(_service_key(service_id))
             if not response.kvs:
