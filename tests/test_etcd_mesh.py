@@ -175,7 +175,7 @@ def test_stagemesh_up_serves_with_an_etcd_registry(tiny_model, tmp_path):
     cluster = EtcdCluster(tmp_path / "etcd").start()
     try:
         mesh, router = start_local_mesh(str(tiny_model), stages=2, router_port=0, registry=cluster.url,
-                                        log_dir=tmp_path / "logs")
+                                        log_dir=tmp_path)
         try:
             chains = wait_for_chains(router.address, 1, timeout=90)
             assert [(s.layer_start, s.layer_end) for s in chains[0].stages] == [(0, 4), (4, 8)]

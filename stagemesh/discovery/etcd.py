@@ -25,7 +25,7 @@ import json
 import math
 
 import grpc
-from etcd3aio import EtcdError, prefix_range_end
+from etcd3aio import EtcdError, EtcdPermissionDeniedError, EtcdUnauthenticatedError, prefix_range_end
 from etcd3aio.auth import AuthService
 from etcd3aio.kv import KVService
 from etcd3aio.lease import LeaseService
@@ -78,6 +78,7 @@ class EtcdRegistry:
         self._credentials = credentials
         self._server_name = server_name
         self._user = user
+        self._token_ok = False
         self._channel: grpc.aio.Channel | None = None
         self._leases: dict[str, tuple] = {}  # service_id -> (alive lease, record lease, their TTLs asked)
         self._locks: dict[tuple[str, str], int] = {}  # (lock key, holder_id) -> lease
@@ -97,10 +98,14 @@ class EtcdRegistry:
         self.kv = KVService(self._channel)
         self.lease = LeaseService(self._channel)
         self.watch = WatchService(self._channel, reconnect_backoff_seconds=0.1, max_reconnect_backoff_seconds=1.0)
-        if self._user:
-            token = (await AuthService(self._channel).authenticate(*self._user, timeout=self.call_timeout_s)).token
-            for service in (self.kv, self.lease, self.watch):
-                service.set_token(token)
+
+    async def _authenticate(self) -> None:
+        """A token for the user's name and password, on every call from now on (etcd tokens lapse, and a
+        member that restarts forgets them: the call that finds it stale fails, the next authenticates)."""
+        token = (await AuthService(self._channel).authenticate(*self._user, timeout=self.call_timeout_s)).token
+        for service in (self.kv, self.lease, self.watch):
+            service.set_token(token)
+        self._token_ok = True
 
     @contextlib.asynccontextmanager
     async def _errors(self, what: str):
@@ -108,8 +113,18 @@ class EtcdRegistry:
         try:
             if self._channel is None:
                 await self._connect()
+            if self._user and not self._token_ok:
+                await self._authenticate()
             yield
+        except EtcdUnauthenticatedError as e:
+            self._token_ok = False
+            raise RegistryError(f"etcd at {self.address} refused {what} ({e}); check ETCDCTL_USER") from e
+        except EtcdPermissionDeniedError as e:
+            raise RegistryError(f"etcd at {self.address} denied {what} ({e}): grant the user read and write "
+                                f"on the stagemesh/ and {SERVICES_PREFIX} prefixes") from e
         except (EtcdError, grpc.aio.AioRpcError, TimeoutError) as e:
+            if isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.UNAUTHENTICATED:
+                self._token_ok = False  # from a stream (keep-alive, watch), which etcd3aio does not map
             detail = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.aio.AioRpcError) else str(e)
             raise RegistryError(f"etcd at {self.address}: {what} failed ({detail or type(e).__name__}); "
                                 f"is the cluster running, reachable and with a quorum of members?") from e
