@@ -4,6 +4,8 @@ cluster asks of a client (`etcd+https://`, ETCDCTL_CACERT/ETCDCTL_CERT/ETCDCTL_K
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 
 import pytest
 
@@ -78,3 +80,13 @@ async def test_etcd_with_auth_takes_a_user_and_refuses_a_wrong_password(tmp_path
                 await r.close()
     finally:
         await asyncio.to_thread(cluster.stop)
+
+
+@pytest.mark.parametrize("first", ["etcd3aio.kv", "opentelemetry.exporter.otlp.proto.grpc.trace_exporter"])
+def test_etcd3aio_and_the_otlp_exporter_load_in_either_order(first):
+    """etcd3aio puts its copy of google.api's generated modules on sys.path; the tracing exporter's must
+    still load (and both sets of messages work) whichever comes first."""
+    second = ({"etcd3aio.kv", "opentelemetry.exporter.otlp.proto.grpc.trace_exporter"} - {first}).pop()
+    code = (f"import {first}, {second}, google.api.http_pb2 as h, stagemesh.tracing, stagemesh.discovery.etcd; "
+            f"from etcd3aio._protobuf import RangeRequest; h.HttpRule(get='/x'); RangeRequest(key=b'k')")
+    subprocess.run([sys.executable, "-W", "error", "-c", code], check=True, timeout=120)
