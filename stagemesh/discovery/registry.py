@@ -1,9 +1,10 @@
 """The registry interface: service discovery with liveness, a KV store with blocking watches, leader locks.
 
-Two backends implement it with the same semantics (tests/test_registry_contract.py holds them to it):
+Three backends implement it with the same semantics (tests/test_registry_contract.py holds them to it):
 the embedded one (registry/, its own server or hosted next to the scheduler, reached over gRPC through
-discovery/embedded.py) for a self-contained deployment, and Consul (discovery/consul.py) where a cluster
-already runs it. Callers pick one with a URL and `backends.open_registry`, and never see which.
+discovery/embedded.py) for a self-contained deployment, and Consul (discovery/consul.py) or etcd
+(discovery/etcd.py) where a cluster already runs one. Callers pick one with a URL and
+`backends.open_registry`, and never see which.
 
 Indexes are opaque integers that only grow. A watch given index 0 answers at once; given the index of
 the state the caller has, it answers when that state changed or when its timeout passes (with the same
