@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -49,3 +50,18 @@ def test_bench_router_measures_turnaround_on_both_sides(tmp_path):
     for r in rows:
         assert r["tokens_per_s"] > 0 and r["stage_seen_p99_ms"] > 0 and r["router_seen_p99_le_ms"] > 0, r
         assert r["runs"][0]["tokens_per_s"] == r["tokens_per_s"]
+
+
+@pytest.mark.timeout(200)
+def test_bench_registry_times_every_backend(tmp_path):
+    out = tmp_path / "registry.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_registry.py"), "--quick", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=180, env=env)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    backends = json.loads(out.read_text())["backends"]
+    assert list(backends) == ["embedded", "etcd x1", "etcd x3"]
+    for name, medians in backends.items():
+        assert set(medians) == {"kv_get", "kv_cas", "heartbeat", "watch_wake"} and all(
+            v > 0 for v in medians.values()), name
+    assert "| watch_wake |" in proc.stdout

@@ -16,10 +16,10 @@ from scheduler.scheduler import Scheduler
 from stagemesh.discovery.backends import open_registry
 from stagemesh.discovery.chain_table import decode_chains
 from stagemesh.discovery.registry import chains_key, leader_key, plan_key
+from stagemesh.etcd_cluster import EtcdCluster
 from stagemesh.launcher import start_local_mesh, wait_for_chains
 from stagemesh.v1 import router_pb2, router_pb2_grpc
 from tests.conftest import collect
-from tests.etcd_cluster import EtcdCluster
 from tests.test_scheduler import ControlPlane, layouts
 from tests.test_scheduler import wait_for_chains as wait_for_router_chains
 

@@ -40,7 +40,7 @@ from stagemesh.discovery.registry import (
     leader_key,
     plan_key,
 )
-from tests.etcd_cluster import EtcdCluster
+from stagemesh.etcd_cluster import EtcdCluster
 
 WAKE_WITHIN_S = 3.0  # a watch must answer this soon after a change ...
 WATCH_TIMEOUT_S = 20.0  # ... though it would wait this long for one

