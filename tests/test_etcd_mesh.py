@@ -13,6 +13,7 @@ import grpc
 import pytest
 
 from scheduler.scheduler import Scheduler
+from scheduler.server import print_plan
 from stagemesh.discovery.backends import open_registry
 from stagemesh.discovery.chain_table import decode_chains
 from stagemesh.discovery.registry import chains_key, leader_key, plan_key
@@ -183,6 +184,8 @@ def test_stagemesh_up_serves_with_an_etcd_registry(tiny_model, tmp_path):
                 ids = [t for r in router_pb2_grpc.RouterStub(channel).Generate(
                     router_pb2.GenerateRequest(token_ids=PROMPT, max_new_tokens=4), timeout=60) for t in r.token_ids]
             assert len(ids) == 4
+            plan = asyncio.run(print_plan(cluster.url, tiny_model.name, None))  # `stagemesh plan --registry etcd://`
+            assert "published chains:" in plan and "chain" in plan.split("published chains:")[1]
         finally:
             mesh.stop()
     finally:
