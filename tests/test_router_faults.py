@@ -79,7 +79,7 @@ async def test_a_full_pool_waits_with_backoff_then_refuses_clearly(tiny_model):
         holders = []  # sessions that reserve the whole pool (each its look-ahead), never stepped
         while len(holders) <= stage.pool.usable_blocks:
             try:
-                holders.append(stage.sessions.open(f"holder{len(holders)}", 64))
+                holders.append(stage.sessions.open(f"holder{len(holders)}", 16))  # 1 block each
             except PoolExhausted:
                 break
         opens_before = _open_calls(stage)
