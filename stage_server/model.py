@@ -109,7 +109,8 @@ class Attention(nn.Module):
             o = F.scaled_dot_product_attention(qg.view(B, kvH, H // kvH, D), k, v, attn_mask=mask)
             return o.view(B, H, D)
         qg = q[g.rows].view(B, Lq, H, D).transpose(1, 2)  # [B, H, Lq, D]
-        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, enable_gqa=H != kvH)  # [B, H, Lq, D]
+        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, is_causal=mask is None,
+                                           enable_gqa=H != kvH)  # [B, H, Lq, D]
         return o.transpose(1, 2).reshape(B * Lq, H, D)
 
 

@@ -47,6 +47,7 @@ class AttentionGroup:
     q_pos: torch.Tensor  # [B, Lq] query positions (padding: 0)
     ends: torch.Tensor  # [B] one past each session's last position
     masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)  # by window: [B, 1, Lq, Lk]
+    # (None: no mask; for a chunk, causal)
 
     def mask(self, window: int | None) -> torch.Tensor | None:
         if window not in self.masks:
@@ -57,6 +58,8 @@ class AttentionGroup:
         windowed = window is not None and window < self.k_len
         if self.q_len == 1 and not windowed and bool((self.ends == self.k_len).all()):
             return None  # decode steps of equal length: every key is visible
+        if self.size == 1 and self.q_len == self.k_len and not windowed:
+            return None  # one chunk from position 0: plain causal attention (SDPA's is_causal)
         k_pos = torch.arange(self.k_len, device=self.q_pos.device)
         mask = k_pos[None, None, :] <= self.q_pos[:, :, None]  # [B, Lq, Lk]
         if windowed:
