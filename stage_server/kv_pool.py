@@ -65,14 +65,14 @@ class KVPool:
         self.num_blocks = max(2, capacity_bytes // self.block_bytes)  # block 0 is the null block
         slots = self.num_blocks * block_size
         try:
-            # k, v: [num_layers_in_stage, num_blocks * block_size, num_kv_heads, head_dim]; slot = block * bs + offset
-            self.k = torch.empty(num_layers, slots, num_kv_heads, head_dim, dtype=dtype, device=self.device)
+            # k, v: [num_layers_in_stage, num_kv_heads, num_blocks * block_size, head_dim]; slot = block * bs + offset
+            self.k = torch.empty(num_layers, num_kv_heads, slots, head_dim, dtype=dtype, device=self.device)
             self.v = torch.empty_like(self.k)
         except (torch.OutOfMemoryError, MemoryError, RuntimeError) as exc:
             raise PoolExhausted(f"the device could not hold a KV pool of {capacity_bytes} bytes "
                                 f"({type(exc).__name__}); start the stage with a smaller --kv-cache-gb") from exc
-        self.k[:, :block_size].zero_()
-        self.v[:, :block_size].zero_()
+        self.k[:, :, :block_size].zero_()
+        self.v[:, :, :block_size].zero_()
         self.free: list[int] = list(range(self.num_blocks - 1, NULL_BLOCK, -1))  # pop() gives the lowest
         self.caches: dict[int, SessionCache] = {}  # live ones, by id()
         self.preemptions = 0
@@ -80,7 +80,7 @@ class KVPool:
         self._order = itertools.count()
         self._lock = threading.Lock()  # closes come from the event loop, growth from the compute thread
         # Per-pass scratch (model.py): gathered K or V of a pass, reused by every layer and pass.
-        self.scratch_k = torch.empty(0, num_kv_heads, head_dim, dtype=dtype, device=self.device)
+        self.scratch_k = torch.empty(0, dtype=dtype, device=self.device)
         self.scratch_v = torch.empty_like(self.scratch_k)
 
     @property
@@ -168,12 +168,13 @@ class KVPool:
         return [blocks[p // bs] * bs + p % bs for p in range(start, end)]
 
     def scratch(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Two [n, kvH, D] buffers for a pass's gathered K and V, grown (doubling) and then reused."""
-        if self.scratch_k.shape[0] < n:
-            size = max(n, 2 * self.scratch_k.shape[0])
-            self.scratch_k = torch.empty(size, self.num_kv_heads, self.head_dim, dtype=self.dtype, device=self.device)
+        """Two contiguous [kvH, n, D] buffers for a pass's gathered K and V, grown (doubling), then reused."""
+        need = self.num_kv_heads * n * self.head_dim
+        if self.scratch_k.numel() < need:
+            self.scratch_k = torch.empty(max(need, 2 * self.scratch_k.numel()), dtype=self.dtype, device=self.device)
             self.scratch_v = torch.empty_like(self.scratch_k)
-        return self.scratch_k[:n], self.scratch_v[:n]
+        shape = (self.num_kv_heads, n, self.head_dim)
+        return self.scratch_k[:need].view(shape), self.scratch_v[:need].view(shape)
 
 
 PREEMPTED = ("this session was preempted to make room in the stage's KV pool (the newest session yields first); "

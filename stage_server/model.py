@@ -75,9 +75,9 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)  # [T, (H + 2 kvH) * D]
         qk = apply_rope(qkv[:, : (H + kvH) * D].view(T, H + kvH, D), plan.cos, plan.sin)  # [T, H + kvH, D]
         q = qk[:, :H]  # [T, H, D]
-        k_pool, v_pool = plan.pool.k[self.slot], plan.pool.v[self.slot]  # [slots, kvH, D]
-        k_pool.index_copy_(0, plan.slots, qk[:, H:])
-        v_pool.index_copy_(0, plan.slots, qkv[:, (H + kvH) * D :].view(T, kvH, D))
+        k_pool, v_pool = plan.pool.k[self.slot], plan.pool.v[self.slot]  # [kvH, slots, D]
+        k_pool.index_copy_(1, plan.slots, qk[:, H:].transpose(0, 1))
+        v_pool.index_copy_(1, plan.slots, qkv[:, (H + kvH) * D :].view(T, kvH, D).transpose(0, 1))
         if plan.in_order:
             return self.o_proj(self._attend(q, plan.groups[0], k_pool, v_pool, plan).view(T, H * D))
         out = torch.empty(T, H, D, dtype=x.dtype, device=x.device)
@@ -94,23 +94,25 @@ class Attention(nn.Module):
         """One SDPA call for the group's sessions: q [T, H, D] (the pass's) -> [B * Lq, H, D]."""
         a = self.args
         H, kvH, D, B, Lq, Lk = a.num_heads, a.num_kv_heads, a.head_dim, g.size, g.q_len, g.k_len
-        if g.gather is None:  # one session in consecutive blocks: a view of the pool
-            k = k_pool[g.first_slot : g.first_slot + Lk][None]
-            v = v_pool[g.first_slot : g.first_slot + Lk][None]
-        else:
-            k_buf, v_buf = plan.scratch[0][: B * Lk], plan.scratch[1][: B * Lk]
-            k = torch.index_select(k_pool, 0, g.gather, out=k_buf).view(B, Lk, kvH, D)
-            v = torch.index_select(v_pool, 0, g.gather, out=v_buf).view(B, Lk, kvH, D)
-        k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, kvH, Lk, D]
-        mask = g.mask(self.window)
+        if g.gather is None:  # one session in consecutive blocks: a view of the pool, [kvH, 1, Lk, D]
+            k = k_pool[:, g.first_slot : g.first_slot + Lk, None].transpose(1, 2)
+            v = v_pool[:, g.first_slot : g.first_slot + Lk, None].transpose(1, 2)
+        else:  # contiguous in the reused scratch buffers (SDPA on CPU is many times slower on strided K/V)
+            k_buf, v_buf = plan.pool.scratch(B * Lk)  # [kvH, B * Lk, D], grown for the pass already
+            k = torch.index_select(k_pool, 1, g.gather, out=k_buf).view(kvH, B, Lk, D)
+            v = torch.index_select(v_pool, 1, g.gather, out=v_buf).view(kvH, B, Lk, D)
+        mask = g.mask(self.window)  # [B, Lq, Lk] or None
         if Lq == 1:
-            # Decode steps: the query heads that share a kv head are rows of one query block, [B, kvH, group, D].
-            qg = q if plan.in_order else q[g.rows]
-            o = F.scaled_dot_product_attention(qg.view(B, kvH, H // kvH, D), k, v, attn_mask=mask)
-            return o.view(B, H, D)
+            # Decode steps: the query heads that share a kv head are rows of one query block, [kvH, B, group, D].
+            qg = (q if plan.in_order else q[g.rows]).view(B, kvH, H // kvH, D).transpose(0, 1).contiguous()
+            o = F.scaled_dot_product_attention(qg, k, v, attn_mask=None if mask is None else mask.view(1, B, 1, Lk))
+            return o.transpose(0, 1).reshape(B, H, D)
         qg = q[g.rows].view(B, Lq, H, D).transpose(1, 2)  # [B, H, Lq, D]
-        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, is_causal=mask is None,
-                                           enable_gqa=H != kvH)  # [B, H, Lq, D]
+        k, v = k.transpose(0, 1), v.transpose(0, 1)  # [B, kvH, Lk, D]
+        if B > 1:
+            k, v = k.contiguous(), v.contiguous()
+        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=None if mask is None else mask[:, None],
+                                           is_causal=mask is None, enable_gqa=H != kvH)  # [B, H, Lq, D]
         return o.transpose(1, 2).reshape(B * Lq, H, D)
 
 

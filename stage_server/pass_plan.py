@@ -46,7 +46,7 @@ class AttentionGroup:
     first_slot: int
     q_pos: torch.Tensor  # [B, Lq] query positions (padding: 0)
     ends: torch.Tensor  # [B] one past each session's last position
-    masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)  # by window: [B, 1, Lq, Lk]
+    masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)  # by window: [B, Lq, Lk]
     # (None: no mask; for a chunk, causal)
 
     def mask(self, window: int | None) -> torch.Tensor | None:
@@ -64,7 +64,7 @@ class AttentionGroup:
         mask = k_pos[None, None, :] <= self.q_pos[:, :, None]  # [B, Lq, Lk]
         if windowed:
             mask &= self.q_pos[:, :, None] - k_pos[None, None, :] < window
-        return mask[:, None]
+        return mask
 
 
 @dataclass
@@ -75,7 +75,6 @@ class PassPlan:
     groups: list[AttentionGroup]
     pool: KVPool
     in_order: bool  # one group, no padding, rows 0..T-1: its output is the pass's as is
-    scratch: tuple[torch.Tensor, torch.Tensor]  # the pool's gather buffers, big enough for any group
 
 
 def plan_pass(steps: list[StepSlice], pool: KVPool, rope: tuple[torch.Tensor, torch.Tensor],
@@ -90,9 +89,8 @@ def plan_pass(steps: list[StepSlice], pool: KVPool, rope: tuple[torch.Tensor, to
     chunks = [st for st in steps if st.length > 1]
     groups = [_group(g, pool, device) for g in (decode, chunks) if g]
     in_order = len(groups) == 1 and groups[0].valid is None and (len(decode) == len(steps) or len(chunks) == 1)
-    scratch = pool.scratch(max(g.size * g.k_len for g in groups))
-    return PassPlan(cos[pos, None], sin[pos, None], torch.tensor(slots, device=device), groups, pool,
-                    in_order, scratch)
+    pool.scratch(max(g.size * g.k_len for g in groups))  # grown once here, before the layers use it
+    return PassPlan(cos[pos, None], sin[pos, None], torch.tensor(slots, device=device), groups, pool, in_order)
 
 
 def _group(steps: list[StepSlice], pool: KVPool, device: torch.device) -> AttentionGroup:
