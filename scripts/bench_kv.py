@@ -4,10 +4,11 @@
     python scripts/bench_kv.py --code /tmp/old-tree  # the same against another checkout's stage code
 
 A pool sized for SESSIONS sessions of prompt + USED tokens; SESSIONS streams that each ask for ASKED new
-tokens and stop at an eos within USED, all at once, through a real mesh (stage and router processes).
-The eos: the tiny checkpoint is random, so the script copies it with its eos set to a token that greedy
-decoding reaches within USED tokens from every chosen prompt (found with transformers' generate() on
-candidate prompts), and the streams are those prompts. Reports how many streams finished at their eos,
+tokens and stop within USED, all at once, through a real mesh (stage and router processes). The stop: the
+tiny checkpoint is random and greedy decoding reaches no common eos, so each stream carries a stop string,
+the last 4 characters its greedy text reaches for the first time between 3/4 of USED tokens and USED
+(found with transformers' generate() and the tokenizer): the router ends it there, as it would at an eos.
+Reports how many streams finished at their stop,
 how many were refused, the peak pool use (Stage/Info, polled), preemptions, and wall time; and what the
 reservation of prompt + max_new_tokens at open (the stage code before the paged pool) would admit.
 """
@@ -19,7 +20,6 @@ import asyncio
 import json
 import os
 import random
-import shutil
 import sys
 import tempfile
 import time
@@ -35,43 +35,38 @@ FIRST_ORDINARY_ID = 4
 BLOCK = 16  # the stage's default --kv-block-size
 
 
-def choose_prompts(model_dir: str, sessions: int, used: int, seed: int) -> tuple[int, list[list[int]]]:
-    """(eos id, prompts): each prompt's greedy continuation reaches the eos within `used` tokens (not first)."""
+def choose_prompts(model_dir: str, sessions: int, used: int, seed: int) -> tuple[list[list[int]], list[str]]:
+    """(prompts, stop strings): greedy decoding of each prompt writes its stop string for the first time
+    between 3/4 of `used` tokens and `used` (found with transformers' generate() and the tokenizer)."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
     rng = random.Random(seed)
-    vocab = hf.config.vocab_size
-    candidates = [[rng.randrange(FIRST_ORDINARY_ID, vocab) for _ in range(rng.randint(16, 40))]
-                  for _ in range(6 * sessions)]
-    outs = []
+    prompts, stops = [], []
     with torch.inference_mode():
-        for p in candidates:
+        for _ in range(8 * sessions):
+            if len(prompts) == sessions:
+                break
+            p = [rng.randrange(FIRST_ORDINARY_ID, hf.config.vocab_size) for _ in range(rng.randint(16, 40))]
             ids = torch.tensor([p])
             out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=used, do_sample=False,
-                              eos_token_id=None, pad_token_id=0)
-            outs.append(out[0, len(p):].tolist())
-    reach = Counter(t for o in outs for t in set(o[1:]))
-    for eos, _ in reach.most_common():
-        chosen = [p for p, o in zip(candidates, outs, strict=True) if eos in o[1:] and eos != o[0]]
-        if len(chosen) >= sessions:
-            return eos, chosen[:sessions]
-    raise SystemExit(f"no token is reached within {used} tokens from {sessions} of {len(candidates)} prompts")
+                              eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+            for k in range(used, 3 * used // 4, -1):
+                text = tokenizer.decode(out[:k])
+                stop = text[-4:]
+                if len(stop.strip()) == 4 and text.find(stop) == len(text) - 4:
+                    prompts.append(p)
+                    stops.append(stop)
+                    break
+    if len(prompts) < sessions:
+        raise SystemExit(f"found stop strings for {len(prompts)} of {sessions} prompts")
+    return prompts, stops
 
 
-def checkpoint_with_eos(model_dir: str, eos: int, into: Path) -> str:
-    shutil.copytree(model_dir, into)
-    for name in ("config.json", "generation_config.json"):
-        path = into / name
-        if path.exists():
-            data = json.loads(path.read_text())
-            data["eos_token_id"] = eos
-            path.write_text(json.dumps(data, indent=1))
-    return str(into)
-
-
-async def run_streams(address: str, stage_addresses: list[str], prompts: list[list[int]], asked: int) -> dict:
+async def run_streams(address: str, stage_addresses: list[str], prompts: list[list[int]], stops: list[str],
+                      asked: int) -> dict:
     import grpc
 
     from stagemesh.v1 import router_pb2, router_pb2_grpc, stage_pb2, stage_pb2_grpc
@@ -96,9 +91,10 @@ async def run_streams(address: str, stage_addresses: list[str], prompts: list[li
             for c in channels:
                 await c.close()
 
-    async def stream(stub, ids: list[int]) -> tuple[str, int]:
+    async def stream(stub, ids: list[int], stop: str) -> tuple[str, int]:
         n, reason = 0, ""
-        request = router_pb2.GenerateRequest(token_ids=ids, max_new_tokens=asked, temperature=0.0, priority=-1)
+        request = router_pb2.GenerateRequest(token_ids=ids, max_new_tokens=asked, temperature=0.0, priority=-1,
+                                             stop=[stop])
         try:
             async for r in stub.Generate(request, timeout=1800):
                 n += len(r.token_ids)
@@ -112,7 +108,7 @@ async def run_streams(address: str, stage_addresses: list[str], prompts: list[li
     async with grpc.aio.insecure_channel(address) as channel:
         stub = router_pb2_grpc.RouterStub(channel)
         t0 = time.perf_counter()
-        results = await asyncio.gather(*(stream(stub, p) for p in prompts))
+        results = await asyncio.gather(*(stream(stub, p, s) for p, s in zip(prompts, stops, strict=True)))
         seconds = time.perf_counter() - t0
     done.set()
     await poller
@@ -136,8 +132,8 @@ def main() -> None:
     model = args.model or str(ensure_tiny_model(ROOT / "models" / "tiny-llama"))
     config = json.loads((Path(model) / "config.json").read_text())
     t0 = time.perf_counter()
-    eos, prompts = choose_prompts(model, args.sessions, args.used, args.seed)
-    print(f"eos {eos}: reached within {args.used} greedy tokens from {len(prompts)} prompts "
+    prompts, stops = choose_prompts(model, args.sessions, args.used, args.seed)
+    print(f"{len(prompts)} prompts whose greedy text reaches its stop string within {args.used} tokens "
           f"({time.perf_counter() - t0:.0f}s to find)", flush=True)
     layers = config["num_hidden_layers"] // args.stages
     kv_heads = config.get("num_key_value_heads", config["num_attention_heads"])
@@ -156,21 +152,20 @@ def main() -> None:
     print(f"pool per stage: {blocks} blocks of {BLOCK} positions ({kv_gb * 2**30 / 2**20:.2f} MiB); reserving "
           f"prompt + {args.asked} at open would admit {old_admitted} of {len(prompts)} sessions", flush=True)
     with tempfile.TemporaryDirectory(prefix="stagemesh-bench-kv-") as tmp:
-        ckpt = checkpoint_with_eos(model, eos, Path(tmp) / "model")
         cwd = os.getcwd()
         if args.code:
             os.chdir(args.code)  # `python -m stagemesh.cli` in the children imports that tree
-        mesh, router = start_local_mesh(ckpt, stages=args.stages, replicas=1, router_port=0, threads=1,
+        mesh, router = start_local_mesh(model, stages=args.stages, replicas=1, router_port=0, threads=1,
                                         extra_stage_args=["--device", "cpu", "--kv-cache-gb", f"{kv_gb:.9f}"],
                                         log_dir=Path(tmp) / "logs")
         os.chdir(cwd)
         try:
             stage_addresses = [proc.address for proc in mesh.processes if proc.name.startswith("stage")]
-            out = asyncio.run(run_streams(router.address, stage_addresses, prompts, args.asked))
+            out = asyncio.run(run_streams(router.address, stage_addresses, prompts, stops, args.asked))
         finally:
             mesh.stop()
     peak = out["peak"]
-    print(json.dumps({"eos": eos, "sessions": len(prompts), "asked": args.asked, **out}, indent=1))
+    print(json.dumps({"sessions": len(prompts), "asked": args.asked, **out}, indent=1))
     print(f"\n{len(prompts)} streams asking {args.asked} tokens each, pool sized for prompt + {args.used}: "
           f"finish {out['finish']}, {out['tokens']} tokens (longest {out['max_tokens']}) in {out['seconds']:.1f}s; "
           f"peak pool use {peak['bytes'] / max(1, peak.get('capacity_bytes', 1)):.0%} "
