@@ -132,7 +132,13 @@ def main() -> None:
     model = args.model or str(ensure_tiny_model(ROOT / "models" / "tiny-llama"))
     config = json.loads((Path(model) / "config.json").read_text())
     t0 = time.perf_counter()
-    prompts, stops = choose_prompts(model, args.sessions, args.used, args.seed)
+    cache = ROOT / "bench-out" / f"kv-prompts-{Path(model).name}-{args.sessions}-{args.used}-{args.seed}.json"
+    if cache.exists():  # finding them takes minutes on 2 cores
+        prompts, stops = json.loads(cache.read_text())
+    else:
+        prompts, stops = choose_prompts(model, args.sessions, args.used, args.seed)
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.write_text(json.dumps([prompts, stops]))
     print(f"{len(prompts)} prompts whose greedy text reaches its stop string within {args.used} tokens "
           f"({time.perf_counter() - t0:.0f}s to find)", flush=True)
     layers = config["num_hidden_layers"] // args.stages
@@ -152,11 +158,14 @@ def main() -> None:
     print(f"pool per stage: {blocks} blocks of {BLOCK} positions ({kv_gb * 2**30 / 2**20:.2f} MiB); reserving "
           f"prompt + {args.asked} at open would admit {old_admitted} of {len(prompts)} sessions", flush=True)
     with tempfile.TemporaryDirectory(prefix="stagemesh-bench-kv-") as tmp:
+        (Path(tmp) / "logs").mkdir()
         cwd = os.getcwd()
         if args.code:
             os.chdir(args.code)  # `python -m stagemesh.cli` in the children imports that tree
         mesh, router = start_local_mesh(model, stages=args.stages, replicas=1, router_port=0, threads=1,
                                         extra_stage_args=["--device", "cpu", "--kv-cache-gb", f"{kv_gb:.9f}"],
+                                        # every stream at once: the router admits no fewer per chain
+                                        extra_router_args=["--slots-per-chain", str(len(prompts))],
                                         log_dir=Path(tmp) / "logs")
         os.chdir(cwd)
         try:

@@ -79,7 +79,7 @@ class Attention(nn.Module):
         k_pool.index_copy_(1, plan.slots, qk[:, H:].transpose(0, 1))
         v_pool.index_copy_(1, plan.slots, qkv[:, (H + kvH) * D :].view(T, kvH, D).transpose(0, 1))
         if plan.in_order:
-            return self.o_proj(self._attend(q, plan.groups[0], k_pool, v_pool, plan).view(T, H * D))
+            return self.o_proj(self._attend(q, plan.groups[0], k_pool, v_pool, plan).reshape(T, H * D))
         out = torch.empty(T, H, D, dtype=x.dtype, device=x.device)
         for g in plan.groups:
             o = self._attend(q, g, k_pool, v_pool, plan)  # [B * Lq, H, D]

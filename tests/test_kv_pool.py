@@ -101,12 +101,20 @@ def _run(model: StageModel, kv: KVPool, parts: list[tuple[object, list[int]]]) -
     return model(torch.tensor([t for _, ids in parts for t in ids]), steps)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "windowed-mistral"])
-def test_many_sessions_of_different_lengths_in_one_pass_match_transformers(tiny_models, windowed_mistral, family):
+@pytest.fixture(scope="module")
+def mha_llama(tmp_path_factory):
+    """No grouped queries (as many kv heads as heads): the decode path's [kvH, B, 1, D] output is then a
+    strided view; a batched decode pass of such a model once failed to flatten it."""
+    return make_tiny_model(tmp_path_factory.mktemp("mha") / "llama", "llama", layers=2, heads=8, kv_heads=8, seed=13)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "windowed-mistral", "mha-llama"])
+def test_many_sessions_of_different_lengths_in_one_pass_match_transformers(tiny_models, windowed_mistral, mha_llama,
+                                                                           family):
     """Prefills of different lengths in one pass, then passes that mix decode steps with a chunked prefill
     over an existing cache, in blocks of 4 positions (every session crosses many block boundaries);
     the blocks of different sessions interleave in the pool. Logits within 1e-4 of transformers."""
-    path = windowed_mistral if family == "windowed-mistral" else tiny_models[family]
+    path = {"windowed-mistral": windowed_mistral, "mha-llama": mha_llama}.get(family) or tiny_models[family]
     model = load_stage(path, 0, None)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     a = model.args
