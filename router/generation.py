@@ -149,8 +149,10 @@ async def generate(
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise StatusError(code, "the call's deadline passed before generation finished") from None
             tried.add(chain.chain_id)
-            if code == FULL:
+            if code == FULL:  # at open, or mid-stream (a stage preempted the session): replayed later
                 metrics.FULL_RETRIES.inc()
+                if len(generated) > backoff.progress:  # it moved since it last waited: a new wait, from the start
+                    backoff = Backoff(req.deadline, config.max_full_wait_s, progress=len(generated))
                 continue
             failures += 1
             if failures > config.max_failovers:
@@ -184,8 +186,9 @@ class Backoff:
     first_s = 0.05
     max_s = 1.0
 
-    def __init__(self, deadline: float | None, max_wait_s: float):
+    def __init__(self, deadline: float | None, max_wait_s: float, progress: int = 0):
         self.deadline = deadline
+        self.progress = progress  # tokens the request had generated when this wait began
         self.max_wait_s = max_wait_s
         self.waited = 0.0
         self.attempt = 0

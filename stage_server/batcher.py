@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from stage_server.kv_pool import PREEMPTED, PoolExhausted, Preempted
 from stage_server.model import StageModel, StepSlice
-from stage_server.sampling import Sampling, sample
+from stage_server.sampling import Sampling, sample_rows
 from stage_server.sessions import Session, UnknownSession
 from stagemesh import metrics
 from stagemesh.config_flags import refused
@@ -221,18 +222,19 @@ class StepBatcher:
     def _failed(req: StepRequest, exc: Exception) -> Exception:
         """The step did not happen: its session stays where it was."""
         if not req.session.closed:
-            req.session.cache.length = min(req.session.cache.length, req.start)
+            cache = req.session.cache
+            cache.length = min(cache.length, req.start)
+            cache.pool.trim(cache)  # the blocks it took for this step go back
         return _step_error(exc)
 
     def _run_batch(self, batch: list[StepRequest]) -> list[StepResult | Exception]:
         """One forward pass over the batch's live steps; sampling errors stay with their step."""
-        live: list[StepRequest] = []
         results: dict[int, StepResult | Exception] = {}
         for req in batch:
             if req.session.closed:
                 results[id(req)] = UnknownSession(f"session {req.session.session_id} closed mid-step")
-            else:
-                live.append(req)
+        self._grow(batch, results)
+        live = [r for r in batch if id(r) not in results]
         if live:
             steps, offset = [], 0
             for req in live:
@@ -241,27 +243,44 @@ class StepBatcher:
             inputs = live[0].inputs if len(live) == 1 else torch.cat([r.inputs for r in live])
             out = self.model(inputs.to(self.device), steps)
             if self.model.is_last:
+                positions = [req.start + req.length for req in live]
+                tokens = sample_rows(out, [req.sampling for req in live], positions)
+                wanted = [i for i, req in enumerate(live) if req.return_logits]
+                logits = dict(zip(wanted, out[wanted].cpu(), strict=True)) if wanted else {}
                 for i, req in enumerate(live):
-                    res = StepResult()
-                    try:
-                        if req.sampling is not None:
-                            res.token_id = sample(out[i].cpu(), req.sampling, req.start + req.length)
-                        if req.return_logits:
-                            res.logits = out[i].cpu()
-                        results[id(req)] = res
-                    except Exception as exc:
-                        results[id(req)] = _step_error(exc)
+                    token = tokens[i]
+                    results[id(req)] = (_step_error(token) if isinstance(token, Exception)
+                                        else StepResult(token_id=token, logits=logits.get(i)))
             else:
                 out = out.cpu()
                 for req, st in zip(live, steps, strict=True):
                     results[id(req)] = StepResult(hidden=out[st.offset : st.offset + st.length])
         return [results[id(r)] for r in batch]
 
+    @staticmethod
+    def _grow(batch: list[StepRequest], results: dict[int, StepResult | Exception]) -> None:
+        """Gives each step's session the KV blocks of its new positions, in batch order; a session the pool
+        preempts to make room (the newest first, kv_pool.py) fails its step here with Preempted."""
+        by_cache = {id(req.session.cache): req for req in batch}
+        for req in batch:
+            if id(req) in results:
+                continue
+            cache = req.session.cache
+            try:
+                victims = cache.pool.grow(cache, req.start + req.length)
+            except PoolExhausted as exc:
+                results[id(req)] = exc
+                continue
+            for victim in victims:
+                other = by_cache.get(id(victim))
+                if other is not None:
+                    results[id(other)] = Preempted(PREEMPTED)
+
 
 def _step_error(exc: Exception) -> Exception:
     """What a failed step reports: out of memory as such; anything else as this step's own failure
     (the exception chained, for the stage's log)."""
-    if isinstance(exc, (UnknownSession, BatcherStopped, StepFailed, OutOfMemory)):
+    if isinstance(exc, (UnknownSession, BatcherStopped, StepFailed, OutOfMemory, PoolExhausted)):
         return exc
     if isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower():
         failure: Exception = OutOfMemory(f"the device ran out of memory for this step: {exc}")

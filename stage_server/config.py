@@ -72,7 +72,12 @@ class StageConfig:
     dtype: ServingDtype = "float32"
     """The dtype the weights and the KV cache are held in."""
     kv_cache_gb: float | None = None
-    """KV cache pool size (default: a quarter of the memory available at start)."""
+    """KV cache pool size (default: a quarter of the memory available at start), allocated once, in blocks."""
+    kv_block_size: int = 16
+    """Positions per KV block: sessions take blocks as they grow and return them when they end."""
+    kv_lookahead_blocks: int = 4
+    """Blocks a session reserves beyond those it holds, for admission (OpenSession's max_length is an upper
+    bound, not a reservation); a session that outgrows it while the pool is dry preempts the newest session."""
     session_timeout_s: float = field(default=300.0, metadata={"flag": "--session-timeout"})
     """Seconds after which an idle session is closed and its cache freed."""
     unstepped_session_timeout_s: float = 30.0
@@ -128,6 +133,10 @@ class StageConfig:
             raise refused(self, "port", PORT_RULE)
         if self.kv_cache_gb is not None and not self.kv_cache_gb > 0:
             raise refused(self, "kv_cache_gb", "must be > 0 GiB (leave it out for a quarter of the available memory)")
+        if not 1 <= self.kv_block_size <= 4096:
+            raise refused(self, "kv_block_size", "must be 1..4096 positions (16 is ordinary)")
+        if not self.kv_lookahead_blocks >= 0:
+            raise refused(self, "kv_lookahead_blocks", "must be >= 0 blocks (0: admit while any block is unreserved)")
         if not self.session_timeout_s > 0:
             raise refused(self, "session_timeout_s", "must be > 0 seconds (how long an idle session keeps its cache)")
         if not self.unstepped_session_timeout_s > 0:

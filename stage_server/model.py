@@ -1,20 +1,20 @@
 """A slice of a Llama-family decoder (Llama, Mistral, Qwen2) in plain PyTorch.
 
 One forward pass runs a flat batch: the tokens of many sessions' steps side by side, [T, hidden].
-Linear layers see all T tokens at once; attention runs per step against that session's own KV
-cache, so sessions of different lengths, prefill chunks and decode steps share one pass.
+Linear layers see all T tokens at once; attention runs once per layer for all decode steps of the
+pass (and once for all its prefill chunks) over K/V gathered from the paged pool (kv_pool.py), with
+rotary tables, slots and masks made once per pass (pass_plan.py), so sessions of different lengths,
+prefill chunks and decode steps share one pass.
 The math follows transformers' modeling_llama/qwen2/mistral so that results match it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stage_server.kv_pool import SessionCache
+from stage_server.pass_plan import AttentionGroup, PassPlan, StepSlice, plan_pass
 from stagemesh.checkpoint import ModelArgs
 
 
@@ -56,24 +56,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
-@dataclass
-class StepSlice:
-    """One session's part of a flat batch: tokens [offset, offset+length) at positions start...
-
-    cache.length == start when the pass begins; the pass writes K/V for the new positions.
-    """
-
-    cache: SessionCache
-    offset: int
-    start: int
-    length: int
-
-
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs, layer_index: int, slot: int):
         super().__init__()
         self.args = args
-        self.slot = slot  # index of this layer inside the stage's KV cache
+        self.slot = slot  # index of this layer inside the stage's KV pool
         self.window = args.sliding_windows[layer_index]
         bias = args.attention_bias
         # q, k and v projections as one Linear (the checkpoint's three, concatenated at load).
@@ -81,69 +68,52 @@ class Attention(nn.Module):
                                   bias=bias)
         self.o_proj = nn.Linear(args.num_heads * args.head_dim, args.hidden_size, bias=args.o_bias)
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, steps: list[StepSlice]
-    ) -> torch.Tensor:
-        # x: [T, hidden]; cos, sin: [T, 1, head_dim] (sin signed, see rope_tables)
+    def forward(self, x: torch.Tensor, plan: PassPlan) -> torch.Tensor:
+        # x: [T, hidden]; plan.cos, plan.sin: [T, 1, head_dim] (sin signed, see rope_tables)
         a = self.args
         T, H, kvH, D = x.shape[0], a.num_heads, a.num_kv_heads, a.head_dim
         qkv = self.qkv_proj(x)  # [T, (H + 2 kvH) * D]
-        qk = apply_rope(qkv[:, : (H + kvH) * D].view(T, H + kvH, D), cos, sin)  # [T, H + kvH, D]
-        q, k = qk[:, :H], qk[:, H:]  # [T, H, D], [T, kvH, D]
-        v = qkv[:, (H + kvH) * D :].view(T, kvH, D)
-
-        if len(steps) == 1 and T == 1:  # one decode step: no scratch buffer, no copy back
-            return self.o_proj(self._decode(q[0], k[0], v[0], steps[0]).view(1, H * D))
+        qk = apply_rope(qkv[:, : (H + kvH) * D].view(T, H + kvH, D), plan.cos, plan.sin)  # [T, H + kvH, D]
+        q = qk[:, :H]  # [T, H, D]
+        k_pool, v_pool = plan.pool.k[self.slot], plan.pool.v[self.slot]  # [kvH, slots, D]
+        k_pool.index_copy_(1, plan.slots, qk[:, H:].transpose(0, 1))
+        v_pool.index_copy_(1, plan.slots, qkv[:, (H + kvH) * D :].view(T, kvH, D).transpose(0, 1))
+        if plan.in_order:
+            return self.o_proj(self._attend(q, plan.groups[0], k_pool, v_pool, plan).reshape(T, H * D))
         out = torch.empty(T, H, D, dtype=x.dtype, device=x.device)
-        for st in steps:
-            lo, hi = st.offset, st.offset + st.length
-            if st.length == 1:
-                out[lo] = self._decode(q[lo], k[lo], v[lo], st)
-                continue
-            end = st.start + st.length
-            k_cache, v_cache = st.cache.k[self.slot], st.cache.v[self.slot]  # [kvH, capacity, D]
-            k_cache[:, st.start : end] = k[lo:hi].transpose(0, 1)
-            v_cache[:, st.start : end] = v[lo:hi].transpose(0, 1)
-            mask, causal = self._mask(st, x.device)
-            o = F.scaled_dot_product_attention(
-                q[lo:hi].transpose(0, 1)[None],  # [1, H, L, D]
-                k_cache[None, :, :end],
-                v_cache[None, :, :end],
-                attn_mask=mask,
-                is_causal=causal,
-                enable_gqa=H != kvH,
-            )
-            out[lo:hi] = o[0].transpose(0, 1)
+        for g in plan.groups:
+            o = self._attend(q, g, k_pool, v_pool, plan)  # [B * Lq, H, D]
+            if g.valid is None:
+                out.index_copy_(0, g.rows, o)
+            else:
+                out.index_copy_(0, g.rows[g.valid], o[g.valid])
         return self.o_proj(out.view(T, H * D))
 
-    def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, st: StepSlice) -> torch.Tensor:
-        """One position's attention: q [H, D], k and v [kvH, D] -> [H, D]. Writes k, v to the cache."""
+    def _attend(self, q: torch.Tensor, g: AttentionGroup, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                plan: PassPlan) -> torch.Tensor:
+        """One SDPA call for the group's sessions: q [T, H, D] (the pass's) -> [B * Lq, H, D]."""
         a = self.args
-        end = st.start + 1
-        k_cache, v_cache = st.cache.k[self.slot], st.cache.v[self.slot]  # [kvH, capacity, D]
-        k_cache[:, st.start] = k
-        v_cache[:, st.start] = v
-        # The keys it may see: all so far, or the last `window` of them. No mask needed.
-        first = 0 if self.window is None else max(0, end - self.window)
-        group = a.num_heads // a.num_kv_heads
-        # The query heads that share a kv head are rows of one query block: [1, kvH, group, D].
-        o = F.scaled_dot_product_attention(
-            q.view(1, a.num_kv_heads, group, a.head_dim),
-            k_cache[None, :, first:end],
-            v_cache[None, :, first:end],
-        )
-        return o.view(a.num_heads, a.head_dim)
-
-    def _mask(self, st: StepSlice, device: torch.device) -> tuple[torch.Tensor | None, bool]:
-        end = st.start + st.length
-        if (self.window is None or end <= self.window) and st.start == 0:
-            return None, True
-        q_pos = torch.arange(st.start, end, device=device)[:, None]
-        k_pos = torch.arange(end, device=device)[None, :]
-        mask = k_pos <= q_pos
-        if self.window is not None:
-            mask &= q_pos - k_pos < self.window
-        return mask, False
+        H, kvH, D, B, Lq, Lk = a.num_heads, a.num_kv_heads, a.head_dim, g.size, g.q_len, g.k_len
+        if g.gather is None:  # one session in consecutive blocks: a view of the pool, [kvH, 1, Lk, D]
+            k = k_pool[:, g.first_slot : g.first_slot + Lk, None].transpose(1, 2)
+            v = v_pool[:, g.first_slot : g.first_slot + Lk, None].transpose(1, 2)
+        else:  # contiguous in the reused scratch buffers (SDPA on CPU is many times slower on strided K/V)
+            k_buf, v_buf = plan.pool.scratch(B * Lk)  # [kvH, B * Lk, D], grown for the pass already
+            k = torch.index_select(k_pool, 1, g.gather, out=k_buf).view(kvH, B, Lk, D)
+            v = torch.index_select(v_pool, 1, g.gather, out=v_buf).view(kvH, B, Lk, D)
+        mask = g.mask(self.window)  # [B, Lq, Lk] or None
+        if Lq == 1:
+            # Decode steps: the query heads that share a kv head are rows of one query block, [kvH, B, group, D].
+            qg = (q if plan.in_order else q[g.rows]).view(B, kvH, H // kvH, D).transpose(0, 1).contiguous()
+            o = F.scaled_dot_product_attention(qg, k, v, attn_mask=None if mask is None else mask.view(1, B, 1, Lk))
+            return o.transpose(0, 1).reshape(B, H, D)
+        qg = q[g.rows].view(B, Lq, H, D).transpose(1, 2)  # [B, H, Lq, D]
+        k, v = k.transpose(0, 1), v.transpose(0, 1)  # [B, kvH, Lk, D]
+        if B > 1:
+            k, v = k.contiguous(), v.contiguous()
+        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=None if mask is None else mask[:, None],
+                                           is_causal=mask is None, enable_gqa=H != kvH)  # [B, H, Lq, D]
+        return o.transpose(1, 2).reshape(B * Lq, H, D)
 
 
 class MLP(nn.Module):
@@ -166,8 +136,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def forward(self, x, cos, sin, steps: list[StepSlice]) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, steps)
+    def forward(self, x: torch.Tensor, plan: PassPlan) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), plan)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -206,31 +176,28 @@ class StageModel(nn.Module):
     def device(self) -> torch.device:
         return self.layers[0].input_layernorm.weight.device
 
-    def rotary(self, steps: list[StepSlice], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin (see rope_tables) of the batch's positions: [T, 1, head_dim] each."""
-        end = max(st.start + st.length for st in steps)
+    def rope(self, end: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin (see rope_tables) of positions 0.. at least end-1: [n, head_dim] each."""
         if self._rope is None or end > self._rope[0].shape[0] or self._rope[0].dtype != dtype:
             # Tables for the first 4096 positions, doubled when a longer session comes.
             n = max(end, 4096 if self._rope is None else 2 * self._rope[0].shape[0])
             self._rope = rope_tables(self.inv_freq, self.rope_scale, n, dtype)
-        cos, sin = self._rope
-        if len(steps) == 1:
-            st = steps[0]
-            return cos[st.start : st.start + st.length, None], sin[st.start : st.start + st.length, None]
-        positions = torch.cat([torch.arange(st.start, st.start + st.length) for st in steps]).to(cos.device)
-        return cos[positions, None], sin[positions, None]
+        return self._rope
 
     @torch.inference_mode()
     def forward(self, inputs: torch.Tensor, steps: list[StepSlice]) -> torch.Tensor:
-        """inputs: token ids [T] on the first stage, hidden states [T, hidden] elsewhere.
+        """inputs: token ids [T] on the first stage, hidden states [T, hidden] elsewhere; every step's
+        cache holds the pool's blocks for its new positions (KVPool.grow).
 
         Returns hidden states [T, hidden], or on the last stage the logits of each step's
         last position [len(steps), vocab] in float32. Advances each step's cache length.
         """
         x = self.embed_tokens(inputs) if self.is_first else inputs.to(self.dtype)  # [T, hidden]
-        cos, sin = self.rotary(steps, x.dtype)
+        rope = self.rope(max(st.start + st.length for st in steps), x.dtype)
+        # Rotary rows, slots, gather indices and masks: made once per pass, used by every layer.
+        plan = plan_pass(steps, steps[0].cache.pool, rope, x.device)
         for layer in self.layers:
-            x = layer(x, cos, sin, steps)
+            x = layer(x, plan)
         for st in steps:
             st.cache.length = st.start + st.length
         if not self.is_last:

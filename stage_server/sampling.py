@@ -54,3 +54,23 @@ def sample(logits: torch.Tensor, params: Sampling, position: int) -> int:
         logits = logits.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
     probs = torch.softmax(logits, dim=-1)
     return int(torch.multinomial(probs, 1, generator=draw_generator(params.seed, position)))
+
+
+def sample_rows(logits: torch.Tensor, params: list[Sampling | None],
+                positions: list[int]) -> list[int | None | Exception]:
+    """A pass's tokens: logits [S, vocab] on the device (float32), one Sampling (None: no sample) and the
+    position of the token drawn per row. Greedy rows take one argmax on the device and one copy of the
+    chosen ids to the CPU; other rows draw as sample() does. A row's error stays in its own slot."""
+    tokens: list[int | None | Exception] = [None] * len(params)
+    greedy = [i for i, p in enumerate(params) if p is not None and p.greedy]
+    if greedy:
+        rows = logits if len(greedy) == len(params) else logits[greedy]
+        for i, token in zip(greedy, rows.argmax(dim=-1).tolist(), strict=True):
+            tokens[i] = token
+    for i, p in enumerate(params):
+        if p is not None and not p.greedy:
+            try:
+                tokens[i] = sample(logits[i].cpu(), p, positions[i])
+            except Exception as exc:  # this row's failure, not the pass's
+                tokens[i] = exc
+    return tokens

@@ -93,6 +93,7 @@ def warm_up(model: StageModel, pool: KVPool) -> float:
     t0 = time.perf_counter()
     cache = pool.allocate(2)
     try:
+        pool.grow(cache, 1)
         inputs = (torch.zeros(1, dtype=torch.long, device=model.device) if model.is_first
                   else torch.zeros(1, model.args.hidden_size, dtype=model.dtype, device=model.device))
         model(inputs, [StepSlice(cache, 0, 0, 1)])
@@ -167,7 +168,8 @@ class StageServer:
         await self.deactivate()
         config, args = self.config, model.args
         kv_bytes = int(config.kv_cache_gb * 2**30) if config.kv_cache_gb else default_kv_bytes(model.device)
-        self.pool = KVPool(kv_bytes, len(model.layers), args.num_kv_heads, args.head_dim, model.dtype, model.device)
+        self.pool = KVPool(kv_bytes, len(model.layers), args.num_kv_heads, args.head_dim, model.dtype, model.device,
+                           config.kv_block_size, config.kv_lookahead_blocks)
         warm_s = await asyncio.to_thread(warm_up, model, self.pool)
         log.info(f"warm-up pass in {warm_s * 1000:.0f} ms", extra={"stage": self.address})
         self.sessions = SessionTable(self.pool, args.max_position)

@@ -11,6 +11,7 @@ import torch
 from stagemesh import tensor_codec
 from stagemesh.v1 import router_pb2, stage_pb2, tensor_pb2
 from tests.conftest import collect, hf_greedy, splits, start_mesh
+from tests.test_kv_pool import kv_gb_for_blocks
 
 
 @pytest.fixture(scope="module")
@@ -115,9 +116,8 @@ async def test_stage_session_errors(mesh):
 
 
 async def test_full_kv_pool_refuses_new_sessions_at_once(tiny_model):
-    small = await start_mesh(tiny_model, [splits(8)], router=False, stage_options={})
-    stage = small.all_stages()[0]
-    stage.pool.capacity_bytes = stage.pool.bytes_for(100)
+    # 4 blocks: one session's look-ahead (4 blocks, below its max_length's 7) is the whole pool.
+    small = await start_mesh(tiny_model, [splits(8)], router=False, stage_options={"kv_cache_gb": kv_gb_for_blocks(4)})
     stub = small.stage_stub(0, 0)
     try:
         await open_session(stub, "fits", max_length=100)

@@ -30,6 +30,7 @@ from stagemesh.discovery.registry import chains_key
 from stagemesh.tiny_model import make_tiny_model
 from stagemesh.v1 import router_pb2, router_pb2_grpc, stage_pb2, stage_pb2_grpc
 from tests.conftest import collect, hf_greedy, splits, start_mesh
+from tests.test_kv_pool import kv_gb_for_blocks
 from tests.test_scheduler import ControlPlane, wait_for_chains
 
 
@@ -101,10 +102,10 @@ async def test_router_session_ids_are_unguessable(tiny_model):
 
 
 async def test_sessions_opened_and_never_stepped_do_not_hold_the_pool(tiny_model):
+    # 9 blocks: the worker holds 1 and reserves 4 more, the hog reserves 4 (look-ahead, not max_length).
     mesh = await start_mesh(tiny_model, [splits(8)], router=False,
-                            stage_options={"unstepped_session_timeout_s": 0.5})
-    stage, stub = mesh.stages[0][0], mesh.stage_stub(0, 0)
-    stage.pool.capacity_bytes = stage.pool.bytes_for(200)
+                            stage_options={"unstepped_session_timeout_s": 0.5, "kv_cache_gb": kv_gb_for_blocks(9)})
+    stub = mesh.stage_stub(0, 0)
     try:
         call = stub.Forward(timeout=30)  # a session in use: stepped, its stream open
         await stub.OpenSession(stage_pb2.OpenSessionRequest(session_id="worker", max_length=100))

@@ -11,7 +11,7 @@ import grpc
 import pytest
 import torch
 
-from stage_server import batcher as batcher_module
+from stage_server import sampling as sampling_module
 from stage_server.batcher import AGED_AFTER_PASSES, BatcherConfig, BatcherStopped, StepBatcher, StepRequest
 from stage_server.kv_pool import KVPool
 from stage_server.loader import load_stage
@@ -29,14 +29,14 @@ async def test_a_step_that_fails_alone_fails_alone_and_the_chain_stays_usable(ti
     """A bad value that slipped through validation raises inside the batched pass's sampling: only
     its request ends (with an error), six greedy streams in the same passes finish exactly, and the
     next request is served at once (the chain was not marked down)."""
-    real_sample = batcher_module.sample
+    real_sample = sampling_module.sample  # sample_rows draws each stochastic row with it
 
     def sample_or_fail(logits, params, position):
         if params.seed == POISON_SEED:
             raise RuntimeError("poisoned draw")
         return real_sample(logits, params, position)
 
-    monkeypatch.setattr(batcher_module, "sample", sample_or_fail)
+    monkeypatch.setattr(sampling_module, "sample", sample_or_fail)
     mesh = await start_mesh(tiny_model, [splits(3, 5)], stage_options={"batcher": BatcherConfig(batch_window_ms=3)})
     try:
         stub = mesh.router_stub

@@ -14,6 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from router.generation import Backoff, GenerationConfig
 from router.server import RouterConfig, RouterServer
 from stage_server.batcher import BatcherConfig
+from stage_server.kv_pool import PoolExhausted
 from stage_server.sessions import UnknownSession
 from stagemesh import grpc_server
 from stagemesh.errors import StatusError
@@ -75,7 +76,12 @@ async def test_a_full_pool_waits_with_backoff_then_refuses_clearly(tiny_model):
                             router_options={"generation": GenerationConfig(max_full_wait_s=1.5)})
     try:
         stage = mesh.stages[0][0]
-        holder = stage.sessions.open("holder", stage.pool.capacity_bytes // stage.pool.bytes_for(1) - 4)
+        holders = []  # sessions that reserve the whole pool (each its look-ahead), never stepped
+        while len(holders) <= stage.pool.usable_blocks:
+            try:
+                holders.append(stage.sessions.open(f"holder{len(holders)}", 16))  # 1 block each
+            except PoolExhausted:
+                break
         opens_before = _open_calls(stage)
         t0 = time.monotonic()
         with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -84,7 +90,8 @@ async def test_a_full_pool_waits_with_backoff_then_refuses_clearly(tiny_model):
         assert "room" in err.value.details()
         assert 1.0 <= time.monotonic() - t0 < 10
         assert _open_calls(stage) - opens_before < 25  # backing off, not spinning
-        stage.sessions.close(holder.session_id)
+        for holder in holders:
+            stage.sessions.close(holder.session_id)
         ids, _, _ = await collect(mesh.router_stub.Generate(request([5, 6, 7], 20), timeout=30))
         assert len(ids) == 20
     finally:

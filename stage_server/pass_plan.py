@@ -1,0 +1,127 @@
+"""What one forward pass needs besides its inputs, built once per pass and shared by every layer.
+
+A pass is a flat batch of many sessions' steps, [T, hidden]. Its plan holds the rotary tables of the
+tokens' positions, the pool slots their K/V go to, and its attention groups: all decode steps of the
+pass in one group (one SDPA call per layer: queries [B, kvH, group, D]), and all prefill chunks in
+another (queries padded to the longest chunk, [B, H, Lq, D]). A group's keys are gathered from the
+pool into a padded [B, kvH, Lk, D] view (one index_select per layer into a scratch buffer the pool
+keeps), and its boolean masks (causal, the session's length, a sliding window) are made once per
+window size, not per layer. Padding keys read the pool's zeroed null block; padding query rows see
+key 0 only (never an all-masked row, which would give NaN).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from stage_server.kv_pool import NULL_BLOCK, KVPool, SessionCache
+
+
+@dataclass
+class StepSlice:
+    """One session's part of a flat batch: tokens [offset, offset+length) at positions start...
+
+    cache.length == start when the pass begins, and the cache holds blocks up to start + length;
+    the pass writes K/V for the new positions.
+    """
+
+    cache: SessionCache
+    offset: int
+    start: int
+    length: int
+
+
+@dataclass
+class AttentionGroup:
+    """Steps attended together in one SDPA call per layer."""
+
+    size: int  # B, sessions
+    q_len: int  # Lq: 1 for decode steps, else the longest chunk
+    k_len: int  # Lk: the longest end
+    rows: torch.Tensor  # [B * Lq] the rows of the flat batch holding its queries (padding: the step's first)
+    valid: torch.Tensor | None  # [B * Lq] which of those are real queries (None: all)
+    gather: torch.Tensor | None  # [B * Lk] pool slots of its keys (None: one contiguous run, see first_slot)
+    first_slot: int
+    q_pos: torch.Tensor  # [B, Lq] query positions (padding: 0)
+    ends: torch.Tensor  # [B] one past each session's last position
+    masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)  # by window: [B, Lq, Lk]
+    # (None: no mask; for a chunk, causal)
+
+    def mask(self, window: int | None) -> torch.Tensor | None:
+        if window not in self.masks:
+            self.masks[window] = self._make_mask(window)
+        return self.masks[window]
+
+    def _make_mask(self, window: int | None) -> torch.Tensor | None:
+        windowed = window is not None and window < self.k_len
+        if self.q_len == 1 and not windowed and bool((self.ends == self.k_len).all()):
+            return None  # decode steps of equal length: every key is visible
+        if self.size == 1 and self.q_len == self.k_len and not windowed:
+            return None  # one chunk from position 0: plain causal attention (SDPA's is_causal)
+        k_pos = torch.arange(self.k_len, device=self.q_pos.device)
+        mask = k_pos[None, None, :] <= self.q_pos[:, :, None]  # [B, Lq, Lk]
+        if windowed:
+            mask &= self.q_pos[:, :, None] - k_pos[None, None, :] < window
+        return mask
+
+
+@dataclass
+class PassPlan:
+    cos: torch.Tensor  # [T, 1, D]
+    sin: torch.Tensor  # [T, 1, D], signed (see model.rope_tables)
+    slots: torch.Tensor  # [T] where each token's K/V goes in the pool
+    groups: list[AttentionGroup]
+    pool: KVPool
+    in_order: bool  # one group, no padding, rows 0..T-1: its output is the pass's as is
+
+
+def plan_pass(steps: list[StepSlice], pool: KVPool, rope: tuple[torch.Tensor, torch.Tensor],
+              device: torch.device) -> PassPlan:
+    cos, sin = rope
+    positions, slots = [], []
+    for st in steps:
+        positions.extend(range(st.start, st.start + st.length))
+        slots.extend(pool.slots(st.cache, st.start, st.start + st.length))
+    pos = torch.tensor(positions, device=device)
+    decode = [st for st in steps if st.length == 1]
+    chunks = [st for st in steps if st.length > 1]
+    groups = [_group(g, pool, device) for g in (decode, chunks) if g]
+    in_order = len(groups) == 1 and groups[0].valid is None and (len(decode) == len(steps) or len(chunks) == 1)
+    pool.scratch(max(g.size * g.k_len for g in groups))  # grown once here, before the layers use it
+    return PassPlan(cos[pos, None], sin[pos, None], torch.tensor(slots, device=device), groups, pool, in_order)
+
+
+def _group(steps: list[StepSlice], pool: KVPool, device: torch.device) -> AttentionGroup:
+    bs = pool.block_size
+    q_len = max(st.length for st in steps)
+    ends = [st.start + st.length for st in steps]
+    k_len = max(ends)
+    rows, valid, q_pos = [], [], []
+    for st in steps:
+        pad = q_len - st.length
+        rows.extend([*range(st.offset, st.offset + st.length), *([st.offset] * pad)])
+        valid.extend([True] * st.length + [False] * pad)
+        q_pos.extend([*range(st.start, st.start + st.length), *([0] * pad)])
+    first_slot, gather = 0, None
+    blocks = steps[0].cache.blocks
+    contiguous = len(steps) == 1 and all(b == blocks[0] + i for i, b in enumerate(blocks))
+    if contiguous:
+        first_slot = blocks[0] * bs  # one session in consecutive blocks: a view of the pool, no gather
+    else:
+        n_blocks = pool.blocks_for(k_len)
+        table = torch.tensor([st.cache.blocks[:n_blocks] + [NULL_BLOCK] * (n_blocks - len(st.cache.blocks[:n_blocks]))
+                              for st in steps], device=device)  # [B, n_blocks]
+        offsets = torch.arange(n_blocks * bs, device=device)
+        slots = (table.repeat_interleave(bs, dim=1) * bs + offsets % bs)[:, :k_len]  # [B, Lk]
+        inside = offsets[None, :k_len] < torch.tensor(ends, device=device)[:, None]
+        gather = torch.where(inside, slots, offsets[None, :k_len] % bs + NULL_BLOCK * bs).reshape(-1)
+    return AttentionGroup(
+        size=len(steps), q_len=q_len, k_len=k_len,
+        rows=torch.tensor(rows, device=device),
+        valid=None if all(valid) else torch.tensor(valid, device=device),
+        gather=gather, first_slot=first_slot,
+        q_pos=torch.tensor(q_pos, device=device).view(len(steps), q_len),
+        ends=torch.tensor(ends, device=device),
+    )
