@@ -28,11 +28,13 @@ class ForwardingSession(ChainSession):
         # hop_keys[i]: what stage i-1 presents to stage i with each relayed step (128 random bits per hop,
         # never logged): only the stage the router chose may step stage i's session.
         self.hop_keys = ["", *(secrets.token_hex(16) for _ in self.chain.stages[1:])]
-        self._fault: tuple[int, grpc.StatusCode, str] | None = None  # (stage index, code, details)
+        self._fault: int | None = None  # the stage whose stream ended first, unasked
 
     def _open_request(self, index: int) -> stage_pb2.OpenSessionRequest:
         request = super()._open_request(index)
         request.upstream_key = self.hop_keys[index]
+        if index:
+            request.previous_address = self.chain.stages[index - 1].address
         if index < len(self.chain.stages) - 1:
             request.next_address = self.chain.stages[index + 1].address
             request.next_key = self.hop_keys[index + 1]
@@ -58,7 +60,7 @@ class ForwardingSession(ChainSession):
         waiting on the last stage is woken (its read is cancelled) to report it."""
         if self._fault is not None or not self._streams:
             return
-        self._fault = (index, grpc.StatusCode.UNKNOWN, "")
+        self._fault = index
         if index != len(self._streams) - 1:
             self._streams[-1].cancel()
 
@@ -76,6 +78,7 @@ class ForwardingSession(ChainSession):
         size = chunk_size if chunk_size and len(token_ids) > chunk_size else len(token_ids)
         start = self.position
         limit = self.progress.timeout(self.chain, len(token_ids))
+        at = 0  # the stage whose stream is being written or read
         try:
             # Every chunk at once: the first stage computes chunk k + 1 while the next computes chunk k.
             for k in range(0, len(token_ids), size):
@@ -91,8 +94,10 @@ class ForwardingSession(ChainSession):
             if self._token_read_at is not None:
                 metrics.TOKEN_TURNAROUND.observe(time.perf_counter() - self._token_read_at)
                 self._token_read_at = None
+            at = len(self._streams) - 1
             response = await asyncio.wait_for(last.read(), limit)
-        except asyncio.InvalidStateError:  # a stream had already ended: its status says why
+        except (asyncio.InvalidStateError, grpc.aio.AioRpcError):  # a stream had ended: its status says why
+            self._fault = at if self._fault is None else self._fault
             response = grpc.aio.EOF
         except asyncio.CancelledError:
             if self._fault is None or asyncio.current_task().cancelling():
@@ -106,7 +111,7 @@ class ForwardingSession(ChainSession):
                 details=f"chain {labels}: no token in {limit:.1f}s for a {len(token_ids)}-token step: "
                         "a stage on the way is hung, or a link is cut") from None
         if self._fault is not None:
-            await self._raise_fault(self._fault[0])
+            await self._raise_fault(self._fault)
         if response is grpc.aio.EOF:
             await self._raise_fault(len(self._streams) - 1)
         return response

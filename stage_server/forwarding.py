@@ -38,6 +38,7 @@ class Route:
     upstream_key: str = field(default="", repr=False)
     sampling: Sampling | None = None
     wire_dtype: str = ""
+    previous_address: str = ""
     feed: asyncio.Queue | None = field(default=None, repr=False)
     """The router's stream: results (ForwardResponse) and the session's fault (an exception) go here."""
     held: list = field(default_factory=list, repr=False)

@@ -224,7 +224,9 @@ class StageServer:
         if grace:
             await self._drain(grace)
         # The streams ended before the server stops: a stream's end that raced the server's shutdown was
-        # seen by its handler as the server gone (an error, logged as one).
+        # seen by its handler as the server gone (an error, logged as one). Links to next stages too.
+        if self.slot.current is not None:
+            await self.slot.current.close()
         await self.server.stop(0)
         await self.deactivate()
 

@@ -99,7 +99,8 @@ class StageService(stage_pb2_grpc.StageServicer):
                               f"wire_dtype {request.wire_dtype!r}: use one of {', '.join(tensor_codec.WIRE_DTYPES)}")
         if request.next_address and self.model.is_last:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "the last stage has no next stage to forward to")
-        route = Route(request.next_address, request.next_key, request.upstream_key, sampling, request.wire_dtype)
+        route = Route(request.next_address, request.next_key, request.upstream_key, sampling, request.wire_dtype,
+                      request.previous_address)
         self.sessions.open(request.session_id, request.max_length, request_id, caller_of(context), route)
         log.info("session opened", extra=self._extra(request.session_id, request_id))
         return stage_pb2.OpenSessionResponse(session_id=request.session_id)
@@ -222,8 +223,11 @@ class StageService(stage_pb2_grpc.StageServicer):
             for task in running:
                 task.cancel()
             for sid in carried:
+                session = self.sessions.sessions.get(sid)
+                previous = session.route.previous_address if session is not None else ""
                 self._fail(sid, StatusError(grpc.StatusCode.UNAVAILABLE,
-                                            "the link from the previous stage ended (it stopped, or the link broke)"))
+                                            f"the link from the previous stage {previous} ended (it stopped, or the "
+                                            "link broke)"))
 
     async def _relayed_step(self, session: Session, request: stage_pb2.ForwardRequest, inputs: torch.Tensor) -> None:
         route = session.route

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("session_id", "max_length", "request_id", "next_address", "next_key", "upstream_key", "sampling", "wire_dtype")
+    __slots__ = ("session_id", "max_length", "request_id", "next_address", "next_key", "upstream_key", "sampling", "wire_dtype", "previous_address")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_LENGTH_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class OpenSessionRequest(_message.Message):
     UPSTREAM_KEY_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     max_length: int
     request_id: str
@@ -24,7 +25,8 @@ class OpenSessionRequest(_message.Message):
     upstream_key: str
     sampling: SamplingParams
     wire_dtype: str
-    def __init__(self, session_id: _Optional[str] = ..., max_length: _Optional[int] = ..., request_id: _Optional[str] = ..., next_address: _Optional[str] = ..., next_key: _Optional[str] = ..., upstream_key: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., wire_dtype: _Optional[str] = ...) -> None: ...
+    previous_address: str
+    def __init__(self, session_id: _Optional[str] = ..., max_length: _Optional[int] = ..., request_id: _Optional[str] = ..., next_address: _Optional[str] = ..., next_key: _Optional[str] = ..., upstream_key: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., wire_dtype: _Optional[str] = ..., previous_address: _Optional[str] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
     __slots__ = ("session_id",)
