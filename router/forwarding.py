@@ -52,7 +52,7 @@ class ForwardingSession(ChainSession):
             except TimeoutError:
                 raise stage_error(grpc.StatusCode.UNAVAILABLE, self.chain.stages[index],
                                    f"no progress on a follow in {limit:.1f}s: hung or unreachable") from None
-            except asyncio.InvalidStateError:
+            except (asyncio.InvalidStateError, grpc.aio.AioRpcError):  # it ended already: its status says why
                 await self._raise_fault(index)
 
     def _stream_ended(self, index: int, call: grpc.aio.StreamStreamCall) -> None:

@@ -103,7 +103,8 @@ class StageServicer:
     """
 
     def OpenSession(self, request, context):
-        """Reserves KV-cache room for a session of up to max_length positions.
+        """Reserves KV-cache room for a session of up to max_length positions, and records what stays the
+        same for every step (sampling, wire dtype, request id; with forwarding its next stage and hop keys).
         RESOURCE_EXHAUSTED when the stage's KV pool cannot hold it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
