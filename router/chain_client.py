@@ -138,7 +138,7 @@ class Progress:
         return self.floor_s + self.per_token_steps * chain.step_ms / 1000 * (tokens + chain.queued_steps)
 
 
-def _stage_error(code: grpc.StatusCode, stage: StageEndpoint, details: str) -> grpc.aio.AioRpcError:
+def stage_error(code: grpc.StatusCode, stage: StageEndpoint, details: str) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(),
                                 details=f"stage {stage.address}: {details}")
 
@@ -151,8 +151,9 @@ class ChainSession:
     that may be dead: the streams are cancelled at once and the sessions closed in the background."""
 
     def __init__(self, chain: Chain, max_length: int, request_id: str, deadline: float | None = None,
-                 wire_dtype: str = "", progress: Progress | None = None):
+                 wire_dtype: str = "", progress: Progress | None = None, sampling: Sampling | None = None):
         self.chain = chain
+        self.sampling = sampling or Sampling()  # told the last stage once, at open; a step may ask otherwise
         self.progress = progress or Progress()
         self.wire_dtype = wire_dtype  # how stages send hidden states on ("": their own dtype)
         self.max_length = max_length
@@ -171,28 +172,47 @@ class ChainSession:
             return None
         return max(0.001, self.deadline - asyncio.get_running_loop().time())
 
+    def _open_request(self, index: int) -> stage_pb2.OpenSessionRequest:
+        """Stage index's session: what stays the same for every step is said here, once."""
+        request = stage_pb2.OpenSessionRequest(session_id=self.session_id, max_length=self.max_length,
+                                               request_id=self.request_id)
+        if index == len(self.chain.stages) - 1:
+            request.sampling.CopyFrom(self.sampling.to_pb())
+        else:
+            request.wire_dtype = self.wire_dtype
+        return request
+
+    async def _open(self, index: int) -> None:
+        stage = self.chain.stages[index]
+        limit = self.progress.timeout(self.chain, 1)
+        timeout = self._timeout()
+        try:
+            await stage.stub.OpenSession(self._open_request(index),
+                                         timeout=limit if timeout is None else min(limit, timeout),
+                                         metadata=((REQUEST_ID_KEY, self.request_id),))
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and (timeout is None or limit < timeout):
+                raise stage_error(grpc.StatusCode.UNAVAILABLE, stage,
+                                   f"no answer to OpenSession in {limit:.1f}s: hung or unreachable") from None
+            raise
+        self._opened.append(stage)
+
+    async def _open_streams(self) -> None:
+        for stage in self.chain.stages:
+            self._streams.append(
+                stage.stub.Forward(timeout=self._timeout(), metadata=((REQUEST_ID_KEY, self.request_id),))
+            )
+
     async def __aenter__(self) -> ChainSession:
         try:
-            for stage in self.chain.stages:
-                limit = self.progress.timeout(self.chain, 1)
-                timeout = self._timeout()
-                try:
-                    await stage.stub.OpenSession(
-                        stage_pb2.OpenSessionRequest(
-                            session_id=self.session_id, max_length=self.max_length, request_id=self.request_id
-                        ),
-                        timeout=limit if timeout is None else min(limit, timeout),
-                        metadata=((REQUEST_ID_KEY, self.request_id),),
-                    )
-                except grpc.aio.AioRpcError as exc:
-                    if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and (timeout is None or limit < timeout):
-                        raise _stage_error(grpc.StatusCode.UNAVAILABLE, stage,
-                                           f"no answer to OpenSession in {limit:.1f}s: hung or unreachable") from None
-                    raise
-                self._opened.append(stage)
-                self._streams.append(
-                    stage.stub.Forward(timeout=self._timeout(), metadata=((REQUEST_ID_KEY, self.request_id),))
-                )
+            # Every stage at once: one round trip, not one per stage. The first failure (in chain order) is
+            # raised once all have answered, so that every session opened is known and closed.
+            results = await asyncio.gather(*(self._open(i) for i in range(len(self.chain.stages))),
+                                           return_exceptions=True)
+            for result in results:
+                if isinstance(result, BaseException):
+                    raise result
+            await self._open_streams()
         except BaseException:
             await self.close()
             raise
@@ -223,7 +243,7 @@ class ChainSession:
 
         await asyncio.gather(*(close_one(s) for s in stubs))
 
-    def _request(self, index: int, start: int, tensor: tensor_pb2.Tensor, sampling: stage_pb2.SamplingParams,
+    def _request(self, index: int, start: int, tensor: tensor_pb2.Tensor, sampling: Sampling,
                  is_last_chunk: bool, return_logits: bool) -> stage_pb2.ForwardRequest:
         """Stage index's request for a chunk at `start`: token ids for the first stage, hidden states
         for the others; the last stage also gets the sampling (and samples only after the last chunk)."""
@@ -232,10 +252,9 @@ class ChainSession:
             request.token_ids.CopyFrom(tensor)
         else:
             request.hidden.CopyFrom(tensor)
-        if index < len(self.chain.stages) - 1:
-            request.wire_dtype = self.wire_dtype
-        else:
-            request.sampling.CopyFrom(sampling)
+        if index == len(self.chain.stages) - 1:
+            if sampling != self.sampling:
+                request.sampling.CopyFrom(sampling.to_pb())
             request.skip_sample = not is_last_chunk
             request.return_logits = return_logits and is_last_chunk
         return request
@@ -256,13 +275,13 @@ class ChainSession:
         except TimeoutError:
             call.cancel()
             metrics.STEP_TIMEOUTS.inc()
-            raise _stage_error(grpc.StatusCode.UNAVAILABLE, stage,
+            raise stage_error(grpc.StatusCode.UNAVAILABLE, stage,
                                f"no progress on a {tokens}-token step in {limit:.1f}s: hung or unreachable") from None
         if response is grpc.aio.EOF:
             code, details = await call.code(), await call.details()
             if code == grpc.StatusCode.OK:
                 code, details = grpc.StatusCode.UNAVAILABLE, "ended the stream"
-            raise _stage_error(code, stage, details)
+            raise stage_error(code, stage, details)
         return response
 
     async def step(
@@ -276,12 +295,12 @@ class ChainSession:
         """Feeds token_ids at the session's position and returns the last stage's answer
         (the next token). With chunk_size > 0 a long input flows through the chain in chunks,
         stage i working on chunk k while stage i-1 works on chunk k+1."""
-        response = await self._step(token_ids, sampling.to_pb(), chunk_size, return_logits)
+        response = await self._step(token_ids, sampling, chunk_size, return_logits)
         self.position += len(token_ids)
         self._token_read_at = time.perf_counter()
         return StepResult.from_pb(response)
 
-    async def _step(self, token_ids: list[int], sampling: stage_pb2.SamplingParams, chunk_size: int,
+    async def _step(self, token_ids: list[int], sampling: Sampling, chunk_size: int,
                     return_logits: bool) -> stage_pb2.ForwardResponse:
         n_stages = len(self.chain.stages)
         if not chunk_size or len(token_ids) <= chunk_size:

@@ -11,9 +11,10 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from router.chain_client import ChainSession, Progress, Sampling
+from router.chain_client import Progress, Sampling
 from router.chains import ChainSet, NoUsableChain
 from router.detokenizer import IncrementalText
+from router.forwarding import session_class
 from stagemesh import metrics
 from stagemesh.config_flags import refused
 from stagemesh.errors import StatusError
@@ -82,6 +83,10 @@ class GenerationConfig:
     step_timeout_s: float = 10.0
     """A stage that answers no step in this long (plus a margin scaled by its reported step time) is
     taken for hung: the stream moves to another chain."""
+    forwarding: bool = True
+    """Stages send hidden states straight to the next stage and the last one sends the token back
+    (N + 1 one-way trips per token on N stages); off: relay mode, every hidden state through the router
+    (2N trips), kept to compare the two."""
     max_full_wait_s: float = 30.0
     """When every chain is full, how long a request waits for room (retrying with backoff) before
     RESOURCE_EXHAUSTED; its deadline, if sooner, bounds the wait too."""
@@ -124,8 +129,9 @@ async def generate(
         chain.in_flight += 1
         chunk = chain.prefill_chunk(config.prefill_chunk)
         try:
-            async with ChainSession(chain, max_length, req.request_id, req.deadline, config.wire_dtype,
-                                    progress) as session:
+            session_type = session_class(config.forwarding, len(chain.stages))
+            async with session_type(chain, max_length, req.request_id, req.deadline, config.wire_dtype,
+                                    progress, sampling) as session:
                 # Everything the chain has not seen yet: the prompt at first (after a failover the
                 # prompt plus all tokens so far), then one token per decode step.
                 feed = req.prompt_ids + generated

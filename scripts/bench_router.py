@@ -1,9 +1,12 @@
 """The router's own per-token cost: a real router process in front of a stage that does no work.
 
     python scripts/bench_router.py [--streams 1,100,1000] [--tokens 32] [--step-ms 0,1000] [--repeats 3]
+                                   [--stages 1] [--modes forwarding,relay]
 
 The "instant stage" below is a measuring device, not a model: it implements stagemesh.v1.Stage and
-answers every step with token 5, either at once (--step-ms 0: the mesh runs flat out and the router is
+answers every step with token 5 (a non-last stage: with hidden states of the tiny model's size, 1 KiB,
+to the router in relay mode or straight to the next instant stage when forwarding), either at once
+(--step-ms 0: the mesh runs flat out and the router is
 the bottleneck) or after a step time drawn uniformly from 0.5..1.5 x --step-ms (a stage that computes,
 without spending CPU on it), so that 1,000 streams offer a load the machine can carry. Per setting,
 medians over --repeats runs:
@@ -40,38 +43,100 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from stagemesh import grpc_server  # noqa: E402
 from stagemesh.checkpoint import model_fingerprint, serving_fingerprint  # noqa: E402
-from stagemesh.launcher import READY, ensure_tiny_model, stage_env  # noqa: E402
-from stagemesh.v1 import router_pb2, router_pb2_grpc, stage_pb2, stage_pb2_grpc  # noqa: E402
+from stagemesh.launcher import READY, ensure_tiny_model, even_split, stage_env, wait_for_chains  # noqa: E402
+from stagemesh.v1 import router_pb2, router_pb2_grpc, stage_pb2, stage_pb2_grpc, tensor_pb2  # noqa: E402
 
 TURNAROUND_METRIC = "stagemesh_router_token_turnaround_seconds_bucket"
 
 
+HIDDEN = tensor_pb2.Tensor(dtype="float32", shape=[1, 256], data=bytes(1024))
+"""A decode step's hidden states on the tiny model: what a non-last instant stage sends on."""
+
+
 class InstantStage(stage_pb2_grpc.StageServicer):
-    def __init__(self, num_layers: int, step_ms: float, fingerprint: str):
+    def __init__(self, layers: tuple[int, int], num_layers: int, step_ms: float, fingerprint: str):
+        self.layers = layers
         self.num_layers = num_layers
+        self.is_last = layers[1] == num_layers
         self.fingerprint = fingerprint  # the router's model's: it refuses a chain of another
         self.step_s = step_ms / 1000
         self.turnarounds: list[float] = []  # token sent -> the same session's next step received
+        self.routes: dict[str, stage_pb2.OpenSessionRequest] = {}  # forwarding sessions: where to send
+        self.feeds: dict[str, asyncio.Queue] = {}  # last stage: the router's stream that follows a session
+        self.links: dict[str, tuple[grpc.aio.StreamStreamCall, asyncio.Lock]] = {}
 
     async def OpenSession(self, request, context):
+        if request.next_address or request.upstream_key:
+            self.routes[request.session_id] = request
         return stage_pb2.OpenSessionResponse(session_id=request.session_id)
 
     async def CloseSession(self, request, context):
+        self.routes.pop(request.session_id, None)
+        self.feeds.pop(request.session_id, None)
         return stage_pb2.CloseSessionResponse()
+
+    def _answer(self, session_id: str) -> stage_pb2.ForwardResponse:
+        if self.is_last:
+            return stage_pb2.ForwardResponse(session_id=session_id, token_id=5)
+        return stage_pb2.ForwardResponse(session_id=session_id, hidden=HIDDEN)
+
+    async def _send_on(self, route: stage_pb2.OpenSessionRequest, request: stage_pb2.ForwardRequest) -> None:
+        link = self.links.get(route.next_address)
+        if link is None:
+            link = self.links[route.next_address] = (stage_pb2_grpc.StageStub(
+                grpc_server.insecure_channel(route.next_address)).Relay(), asyncio.Lock())
+        call, lock = link
+        async with lock:  # one write at a time on a stream
+            await call.write(stage_pb2.ForwardRequest(session_id=request.session_id, start=request.start,
+                                                      hidden=HIDDEN, hop_key=route.next_key,
+                                                      skip_sample=request.skip_sample))
 
     async def Forward(self, request_iterator, context):
         sent_at = None
+        feed = None
         async for request in request_iterator:
+            if request.follow:  # forwarding, last stage: tokens come from Relay onto this stream
+                feed = self.feeds[request.session_id] = asyncio.Queue()
+                break
             if sent_at is not None:
                 self.turnarounds.append(time.perf_counter() - sent_at)
             if self.step_s:
                 await asyncio.sleep(self.step_s * random.uniform(0.5, 1.5))
-            yield stage_pb2.ForwardResponse(session_id=request.session_id, token_id=5)
+            route = self.routes.get(request.session_id)
+            if route is not None and route.next_address:
+                await self._send_on(route, request)
+                continue
+            yield self._answer(request.session_id)
             sent_at = time.perf_counter()  # the generator resumes once the reply is on its way
+        while feed is not None:
+            yield await feed.get()
+
+    async def Relay(self, request_iterator, context):
+        running: set[asyncio.Task] = set()
+        async for request in request_iterator:
+            if self.step_s:  # the sessions on one link compute side by side
+                task = asyncio.get_running_loop().create_task(self._relayed(request))
+                running.add(task)
+                task.add_done_callback(running.discard)
+            else:
+                await self._relayed(request)
+        if False:  # an async generator that answers nothing
+            yield
+
+    async def _relayed(self, request: stage_pb2.ForwardRequest) -> None:
+        route = self.routes.get(request.session_id)
+        if route is None:
+            return
+        if self.step_s:
+            await asyncio.sleep(self.step_s * random.uniform(0.5, 1.5))
+        if route.next_address:
+            await self._send_on(route, request)
+        elif not request.skip_sample and request.session_id in self.feeds:
+            self.feeds[request.session_id].put_nowait(self._answer(request.session_id))
 
     async def Info(self, request, context):
-        return stage_pb2.StageInfo(layer_start=0, layer_end=self.num_layers, num_layers=self.num_layers,
-                                   is_first=True, is_last=True, fingerprint=self.fingerprint)
+        return stage_pb2.StageInfo(layer_start=self.layers[0], layer_end=self.layers[1], num_layers=self.num_layers,
+                                   is_first=self.layers[0] == 0, is_last=self.is_last, fingerprint=self.fingerprint)
 
     def dump(self, path: Path) -> None:
         """SIGUSR1: hand the samples so far to the benchmark (written whole, then renamed) and start afresh."""
@@ -81,8 +146,9 @@ class InstantStage(stage_pb2_grpc.StageServicer):
         self.turnarounds = []
 
 
-async def serve_instant_stage(num_layers: int, step_ms: float, dump_path: Path, fingerprint: str) -> None:
-    stage = InstantStage(num_layers, step_ms, fingerprint)
+async def serve_instant_stage(layers: tuple[int, int], num_layers: int, step_ms: float, dump_path: Path,
+                              fingerprint: str) -> None:
+    stage = InstantStage(layers, num_layers, step_ms, fingerprint)
     server = grpc_server.new_server()
     stage_pb2_grpc.add_StageServicer_to_server(stage, server)
     health = grpc_server.add_health_and_reflection(server, ["stagemesh.v1.Stage"])
@@ -171,15 +237,19 @@ def collect_stage_samples(stage: subprocess.Popen, path: Path) -> list[float]:
 
 
 def measure(model: str, layers: int, step_ms: float, streams_list: list[int], tokens: int,
-            repeats: int) -> list[dict]:
+            repeats: int, n_stages: int = 1, mode: str = "forwarding") -> list[dict]:
     dump_path = Path(f"/tmp/bench-router-{os.getpid()}.json")
-    stage, stage_address = spawn([sys.executable, __file__, "--serve-instant-stage", str(layers),
-                                  "--step-ms", str(step_ms), "--dump", str(dump_path), "--fingerprint",
-                                  serving_fingerprint(model_fingerprint(model), "float32", "none")])
+    fingerprint = serving_fingerprint(model_fingerprint(model), "float32", "none")
+    spawned = [spawn([sys.executable, __file__, "--serve-instant-stage", f"{a}:{b}:{layers}",
+                      "--step-ms", str(step_ms), "--dump", str(dump_path), "--fingerprint", fingerprint])
+               for a, b in even_split(layers, n_stages)]
+    stages = [proc for proc, _ in spawned]
+    stage = stages[-1]  # the stage whose turnarounds are sampled (relay mode: it sees the router's steps)
     metrics_port = free_port()
     router, router_address = spawn([sys.executable, "-m", "stagemesh.cli", "--log-level", "warning", "router",
-                                    "--model", model, "--chain", stage_address, "--port", "0",
-                                    "--metrics-port", str(metrics_port), "--slots-per-chain", "100000"])
+                                    "--model", model, "--chain", ",".join(address for _, address in spawned),
+                                    "--port", "0", "--metrics-port", str(metrics_port), "--slots-per-chain", "100000",
+                                    *(["--no-forwarding"] if mode == "relay" else [])])
 
     def one_run(streams: int) -> dict:
         collect_stage_samples(stage, dump_path)  # drop anything from before this run
@@ -200,36 +270,39 @@ def measure(model: str, layers: int, step_ms: float, streams_list: list[int], to
 
     rows = []
     try:
-        time.sleep(1.5)  # the router's first health check
+        wait_for_chains(router_address, 1, timeout=60)  # its health checks passed
         for streams in streams_list:
             runs = [one_run(streams) for _ in range(repeats)]
-            row = {"step_ms": step_ms, "streams": streams, "runs": runs}
+            row = {"stages": n_stages, "mode": mode, "step_ms": step_ms, "streams": streams, "runs": runs}
             row.update({k: statistics.median(r[k] for r in runs) for k in runs[0]})
             rows.append(row)
             print_row(row)
     finally:
-        for proc in (router, stage):
+        for proc in (router, *stages):
             proc.terminate()
             proc.wait(timeout=10)
         dump_path.unlink(missing_ok=True)
     return rows
 
 
-HEADER = (f"{'step ms':>7} {'streams':>7} {'tokens/s':>8} {'router CPU':>10} {'turnaround seen by stage':>24} "
+HEADER = (f"{'stages':>6} {'mode':>10} "
+          f"{'step ms':>7} {'streams':>7} {'tokens/s':>8} {'router CPU':>10} {'turnaround seen by stage':>24} "
           f"{'by router':>15} {'caller gap':>15}\n"
+          f"{'':>6} {'':>10} "
           f"{'':>7} {'':>7} {'':>8} {'ms/token':>10} {'median ms':>11} {'p99 ms':>12} {'p50 ≤':>7} {'p99 ≤':>7} "
           f"{'median':>7} {'p99':>7}")
 
 
 def print_row(r: dict) -> None:
-    print(f"{r['step_ms']:>7.0f} {r['streams']:>7} {r['tokens_per_s']:>8.0f} {r['router_cpu_ms_per_token']:>10.3f} "
+    print(f"{r['stages']:>6} {r['mode']:>10} "
+          f"{r['step_ms']:>7.0f} {r['streams']:>7} {r['tokens_per_s']:>8.0f} {r['router_cpu_ms_per_token']:>10.3f} "
           f"{r['stage_seen_median_ms']:>11.3f} {r['stage_seen_p99_ms']:>12.3f} {r['router_seen_p50_le_ms']:>7.2f} "
           f"{r['router_seen_p99_le_ms']:>7.2f} {r['gap_median_ms']:>7.1f} {r['gap_p99_ms']:>7.1f}", flush=True)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--serve-instant-stage", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--serve-instant-stage", default=None, help=argparse.SUPPRESS)  # START:END:LAYERS
     p.add_argument("--dump", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--fingerprint", default="", help=argparse.SUPPRESS)
     p.add_argument("--model", default=None, help="checkpoint for the router's tokenizer (default: tiny)")
@@ -237,11 +310,15 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=32, help="new tokens per stream")
     p.add_argument("--step-ms", default="0,1000",
                    help="the instant stage's mean step time per setting (0: answer at once)")
+    p.add_argument("--stages", type=int, default=1, help="instant stages per chain")
+    p.add_argument("--modes", default="forwarding",
+                   help="the router's data path per setting: forwarding, relay (--no-forwarding) or both")
     p.add_argument("--repeats", type=int, default=3, help="runs per setting; the table shows their medians")
     p.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
     a = p.parse_args()
     if a.serve_instant_stage is not None:
-        asyncio.run(serve_instant_stage(a.serve_instant_stage, float(a.step_ms), a.dump, a.fingerprint))
+        start, end, num_layers = (int(x) for x in a.serve_instant_stage.split(":"))
+        asyncio.run(serve_instant_stage((start, end), num_layers, float(a.step_ms), a.dump, a.fingerprint))
         return
     model = a.model or str(ensure_tiny_model(Path("models/tiny-llama")))
     from transformers import AutoConfig
@@ -251,7 +328,8 @@ def main() -> None:
     print(HEADER)
     rows = []
     for step_ms in (float(s) for s in a.step_ms.split(",")):
-        rows += measure(model, layers, step_ms, streams, a.tokens, a.repeats)
+        for mode in a.modes.split(","):
+            rows += measure(model, layers, step_ms, streams, a.tokens, a.repeats, a.stages, mode)
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(), "rows": rows},

@@ -83,6 +83,13 @@ class StageSlot(stage_pb2_grpc.StageServicer):
         finally:
             self.streams -= 1
 
+    async def Relay(self, request_iterator, context):
+        # Not counted in `streams`: a neighbour's link lives as long as both stages; draining waits for
+        # the sessions on it instead.
+        async with contextlib.aclosing(self._service().Relay(request_iterator, context)) as statuses:
+            async for status in statuses:
+                yield status
+
     async def Info(self, request, context):
         return await self._service().Info(request, context)
 
@@ -177,7 +184,7 @@ class StageServer:
         self.batcher.start()
         self.model = model
         self.slot.current = StageService(model, self.sessions, self.batcher, config.model_name, self.fingerprint,
-                                         self.address)
+                                         self.address, self.tls)
         await grpc_server.set_serving(self.health, [SERVICE_NAME], True)
         bound = f", bound to {self.bind_address}" if self.bind_address != self.address else ""
         log.info(
@@ -188,6 +195,8 @@ class StageServer:
 
     async def deactivate(self) -> None:
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.slot.current is not None:
+            await self.slot.current.close()
         self.slot.current = None
         if self.batcher:
             await self.batcher.stop()
@@ -217,7 +226,9 @@ class StageServer:
         if grace:
             await self._drain(grace)
         # The streams ended before the server stops: a stream's end that raced the server's shutdown was
-        # seen by its handler as the server gone (an error, logged as one).
+        # seen by its handler as the server gone (an error, logged as one). Links to next stages too.
+        if self.slot.current is not None:
+            await self.slot.current.close()
         await self.server.stop(0)
         await self.deactivate()
 

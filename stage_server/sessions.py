@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import hmac
 import time
 from dataclasses import dataclass, field
 
+from stage_server.forwarding import Route
 from stage_server.kv_pool import KVPool, SessionCache
 
 LOGGED_ID_CHARS = 8
@@ -44,6 +46,8 @@ class Session:
     stepped: bool = False
     """Has had a step: until then it expires after the short unstepped timeout."""
     closed: bool = False
+    route: Route = field(default_factory=Route)
+    """Forwarding: where its output goes, what it was told at open, where its router hears from it."""
 
 
 class SessionTable:
@@ -53,7 +57,8 @@ class SessionTable:
         self.sessions: dict[str, Session] = {}
         self.open_attempts = 0  # refused ones too: how hard callers press on this stage
 
-    def open(self, session_id: str, max_length: int, request_id: str = "", owner: str = "") -> Session:
+    def open(self, session_id: str, max_length: int, request_id: str = "", owner: str = "",
+             route: Route | None = None) -> Session:
         self.open_attempts += 1
         if not session_id:
             raise SessionError("session_id is empty; choose a unique id per session")
@@ -64,7 +69,7 @@ class SessionTable:
                 f"max_length {max_length} is outside 1..{self.max_position} (the model's context)"
             )
         cache = self.pool.allocate(max_length)  # raises PoolExhausted
-        session = Session(session_id, request_id, cache, owner)
+        session = Session(session_id, request_id, cache, owner, route=route or Route())
         self.sessions[session_id] = session
         return session
 
@@ -75,6 +80,19 @@ class SessionTable:
         if session is None or session.owner != owner:
             raise UnknownSession(
                 f"no open session {session_id!r} on this stage (never opened, closed, or expired)"
+            )
+        session.last_used = time.monotonic()
+        session.stepped = True
+        return session
+
+    def relayed(self, session_id: str, key: str) -> Session:
+        """The session, for a step relayed by the previous stage: only with the session's upstream_key
+        (a session opened without one takes no relayed step), else as unknown as one never opened."""
+        session = self.sessions.get(session_id)
+        upstream_key = session.route.upstream_key if session is not None else ""
+        if not upstream_key or not hmac.compare_digest(upstream_key.encode(), key.encode()):
+            raise UnknownSession(
+                f"no open session {session_id!r} on this stage takes relayed steps with that key"
             )
         session.last_used = time.monotonic()
         session.stepped = True

@@ -4,13 +4,15 @@ or a domain error of ERROR_CODES); the stage server's one StatusInterceptor answ
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import resource
 
 import grpc
 import torch
 
-from stage_server.batcher import BatcherStopped, OutOfMemory, StepBatcher, StepRequest
+from stage_server.batcher import BatcherStopped, OutOfMemory, StepBatcher, StepRequest, StepResult
+from stage_server.forwarding import FEED_END, Links, Route
 from stage_server.kv_pool import PoolExhausted
 from stage_server.model import StageModel
 from stage_server.sampling import Sampling
@@ -26,6 +28,7 @@ from stage_server.sessions import (
 from stagemesh import metrics, tensor_codec
 from stagemesh.errors import ErrorCodes, StatusError, request_id_of
 from stagemesh.request_limits import InvalidSampling
+from stagemesh.tls import Tls
 from stagemesh.v1 import stage_pb2, stage_pb2_grpc
 
 log = logging.getLogger("stagemesh.stage")
@@ -69,20 +72,36 @@ def caller_of(context: grpc.aio.ServicerContext) -> str:
 
 class StageService(stage_pb2_grpc.StageServicer):
     def __init__(self, model: StageModel, sessions: SessionTable, batcher: StepBatcher, model_name: str,
-                 fingerprint: str, address: str = ""):
+                 fingerprint: str, address: str = "", tls: Tls | None = None):
         self.address = address  # in every log line, with the request id: a request is followed across hops
         self.model = model
         self.sessions = sessions
         self.batcher = batcher
         self.model_name = model_name
         self.fingerprint = fingerprint
+        self.links = Links(tls, self._link_broken, self._relay_refused)  # to next stages, with the mesh's TLS
+
+    async def close(self) -> None:
+        """Ends the links to next stages (the slice is swapped or the stage stops)."""
+        await self.links.close()
 
     def _extra(self, session_id: str, request_id: str) -> dict[str, str]:
         return {"session_id": short_id(session_id), "request_id": request_id, "stage": self.address}
 
     async def OpenSession(self, request, context):
         request_id = request.request_id or request_id_of(context)
-        self.sessions.open(request.session_id, request.max_length, request_id, caller_of(context))
+        sampling = None
+        if request.HasField("sampling"):
+            p = request.sampling
+            sampling = Sampling(p.temperature, p.top_k, p.top_p or 1.0, p.seed)  # checks the bounds
+        if request.wire_dtype and request.wire_dtype not in tensor_codec.WIRE_DTYPES:
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"wire_dtype {request.wire_dtype!r}: use one of {', '.join(tensor_codec.WIRE_DTYPES)}")
+        if request.next_address and self.model.is_last:
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "the last stage has no next stage to forward to")
+        route = Route(request.next_address, request.next_key, request.upstream_key, sampling, request.wire_dtype,
+                      request.previous_address)
+        self.sessions.open(request.session_id, request.max_length, request_id, caller_of(context), route)
         log.info("session opened", extra=self._extra(request.session_id, request_id))
         return stage_pb2.OpenSessionResponse(session_id=request.session_id)
 
@@ -94,22 +113,27 @@ class StageService(stage_pb2_grpc.StageServicer):
     async def Forward(self, request_iterator, context):
         caller = caller_of(context)
         touched: set[str] = set()
+        feed: asyncio.Queue = asyncio.Queue()
+        requests = request_iterator.__aiter__()
+        reader = None
         try:
-            async for request in request_iterator:
-                metrics.WIRE_BYTES.labels("in").inc(request.ByteSize())
+            # Relay mode: each step answered in turn, on this task.
+            async for request in requests:
+                if request.follow or self._forwards(request.session_id):
+                    reader = asyncio.get_running_loop().create_task(
+                        self._serve_routed(request, requests, caller, touched, feed))
+                    break
                 session = self.sessions.get(request.session_id, caller)  # only the opener's, else NOT_FOUND
                 touched.add(session.session_id)
-                result = await self.batcher.submit(self._to_step(request, session))
-                response = stage_pb2.ForwardResponse(session_id=request.session_id)
-                if result.hidden is not None:
-                    response.hidden.CopyFrom(tensor_codec.encode_hidden(result.hidden, request.wire_dtype))
-                if result.token_id is not None:
-                    response.token_id = result.token_id
-                if result.logits is not None:
-                    response.logits.CopyFrom(tensor_codec.encode(result.logits))
-                metrics.WIRE_BYTES.labels("out").inc(response.ByteSize())
-                yield response
+                yield await self._answer(request, session)
+            # Forwarding: what comes back on this stream (results, a fault) comes when it comes.
+            while reader is not None and (item := await feed.get()) is not FEED_END:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
         finally:
+            if reader is not None:
+                reader.cancel()
             # The stream is the session's lifeline: when it ends (done, cancelled, caller gone),
             # nothing will step these sessions again.
             for sid in touched:
@@ -117,7 +141,127 @@ class StageService(stage_pb2_grpc.StageServicer):
                 if session is not None and self.sessions.close(sid, caller):
                     log.info("session closed with its stream", extra=self._extra(sid, session.request_id))
 
-    def _to_step(self, request: stage_pb2.ForwardRequest, session: Session) -> StepRequest:
+    def _forwards(self, session_id: str) -> bool:
+        session = self.sessions.sessions.get(session_id)
+        return session is not None and session.route.forwards
+
+    async def _serve_routed(self, request, requests, caller: str, touched: set[str], feed: asyncio.Queue) -> None:
+        """The rest of a Forward stream that follows or forwards sessions: steps run in order; a step of a
+        forwarding session goes on to the next stage, any other is answered on the feed."""
+        try:
+            while request is not None:
+                session = self.sessions.get(request.session_id, caller)
+                touched.add(session.session_id)
+                if request.follow or session.route.forwards:
+                    session.route.attach(feed)
+                if request.follow:
+                    pass
+                elif session.route.forwards:
+                    metrics.WIRE_BYTES.labels("in").inc(request.ByteSize())
+                    result = await self.batcher.submit(self._to_step(request, session, self._inputs(request)))
+                    await self._send_on(session, request, result)
+                else:
+                    feed.put_nowait(await self._answer(request, session))
+                request = await anext(requests, None)
+        except Exception as exc:  # the stream's fault: its caller hears it
+            feed.put_nowait(exc)
+
+    async def _answer(self, request: stage_pb2.ForwardRequest, session: Session) -> stage_pb2.ForwardResponse:
+        """A step answered to its sender: hidden states, or the sampled token (and logits)."""
+        metrics.WIRE_BYTES.labels("in").inc(request.ByteSize())
+        result = await self.batcher.submit(self._to_step(request, session, self._inputs(request)))
+        response = self._response(session, result, request.wire_dtype)
+        metrics.WIRE_BYTES.labels("out").inc(response.ByteSize())
+        return response
+
+    def _response(self, session: Session, result: StepResult, wire_dtype: str = "") -> stage_pb2.ForwardResponse:
+        response = stage_pb2.ForwardResponse(session_id=session.session_id)
+        if result.hidden is not None:
+            response.hidden.CopyFrom(tensor_codec.encode_hidden(result.hidden, wire_dtype or session.route.wire_dtype))
+        if result.token_id is not None:
+            response.token_id = result.token_id
+        if result.logits is not None:
+            response.logits.CopyFrom(tensor_codec.encode(result.logits))
+        return response
+
+    async def _send_on(self, session: Session, request: stage_pb2.ForwardRequest, result: StepResult) -> None:
+        """A forwarding session's output, to its next stage (sent once per step, with the step's flags)."""
+        route = session.route
+        onward = stage_pb2.ForwardRequest(session_id=session.session_id, start=request.start, hop_key=route.next_key,
+                                          skip_sample=request.skip_sample, return_logits=request.return_logits)
+        onward.hidden.CopyFrom(tensor_codec.encode_hidden(result.hidden, request.wire_dtype or route.wire_dtype))
+        await self.links.send(route.next_address, onward)
+
+    async def Relay(self, request_iterator, context):
+        carried: set[str] = set()
+        running: set[asyncio.Task] = set()
+        try:
+            async for request in request_iterator:
+                metrics.WIRE_BYTES.labels("in").inc(request.ByteSize())
+                try:
+                    session = self.sessions.relayed(request.session_id, request.hop_key)
+                except UnknownSession as exc:
+                    yield stage_pb2.RelayStatus(session_id=request.session_id, code=grpc.StatusCode.NOT_FOUND.value[0],
+                                                details=str(exc))
+                    continue
+                carried.add(session.session_id)
+                try:
+                    inputs = self._inputs(request)
+                except (StatusError, tensor_codec.CodecError) as exc:  # ill-formed: that session's step is lost
+                    status = exc if isinstance(exc, StatusError) else StatusError(
+                        grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                    self._fail(session.session_id, status)
+                    yield stage_pb2.RelayStatus(session_id=request.session_id, code=status.code.value[0],
+                                                details=status.message)
+                    continue
+                task = asyncio.get_running_loop().create_task(self._relayed_step(session, request, inputs))
+                running.add(task)
+                task.add_done_callback(running.discard)
+                if len(carried) > 2 * len(self.sessions) + 64:
+                    carried = {s for s in carried if s in self.sessions.sessions}
+        finally:
+            for task in running:
+                task.cancel()
+            for sid in carried:
+                session = self.sessions.sessions.get(sid)
+                previous = session.route.previous_address if session is not None else ""
+                self._fail(sid, StatusError(grpc.StatusCode.UNAVAILABLE,
+                                            f"the link from the previous stage {previous} ended (it stopped, or the "
+                                            "link broke)"))
+
+    async def _relayed_step(self, session: Session, request: stage_pb2.ForwardRequest, inputs: torch.Tensor) -> None:
+        route = session.route
+        try:
+            async with route.order:
+                if session.closed:
+                    return
+                result = await self.batcher.submit(self._to_step(request, session, inputs))
+                if route.forwards:
+                    await self._send_on(session, request, result)
+                elif result.token_id is not None or result.logits is not None:
+                    route.deliver(self._response(session, result))
+        except Exception as exc:
+            self._fail(session.session_id, exc)
+
+    def _fail(self, session_id: str, exc: BaseException) -> None:
+        """Ends a session here for its fault: its router hears it on the stream that follows it."""
+        session = self.sessions.sessions.get(session_id)
+        if session is None:
+            return
+        session.route.deliver(exc)
+        self.sessions.close(session_id)
+        log.info(f"session failed: {exc}", extra=self._extra(session_id, session.request_id))
+
+    def _link_broken(self, address: str, carried: set[str], code: grpc.StatusCode, details: str) -> None:
+        for sid in carried:
+            self._fail(sid, StatusError(code, f"next stage {address} unreachable: {details}"))
+
+    def _relay_refused(self, address: str, status: stage_pb2.RelayStatus) -> None:
+        code = next((c for c in grpc.StatusCode if c.value[0] == status.code), grpc.StatusCode.UNKNOWN)
+        self._fail(status.session_id, StatusError(code, f"next stage {address}: {status.details}"))
+
+    def _inputs(self, request: stage_pb2.ForwardRequest) -> torch.Tensor:
+        """A step's input, decoded and checked: token ids [T] (first stage) or hidden states [T, hidden]."""
         model, args = self.model, self.model.args
         which = request.WhichOneof("input")
         if model.is_first:
@@ -146,10 +290,12 @@ class StageService(stage_pb2_grpc.StageServicer):
                 raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
                                   f"hidden states must have shape [tokens, {args.hidden_size}], "
                                   f"got {list(inputs.shape)}")
-        n = inputs.shape[0]
-        if n == 0:
+        if inputs.shape[0] == 0:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "a step needs at least one token")
-        cache = session.cache
+        return inputs
+
+    def _to_step(self, request: stage_pb2.ForwardRequest, session: Session, inputs: torch.Tensor) -> StepRequest:
+        n, cache = inputs.shape[0], session.cache
         if request.start != cache.length:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
                               f"step starts at position {request.start} but session {session.session_id} "
@@ -159,9 +305,12 @@ class StageService(stage_pb2_grpc.StageServicer):
                               f"step would reach position {request.start + n}, past the session's max_length "
                               f"{cache.capacity}")
         sampling = None
-        if model.is_last and not request.skip_sample:
-            p = request.sampling
-            sampling = Sampling(p.temperature, p.top_k, p.top_p or 1.0, p.seed)  # checks the bounds
+        if self.model.is_last and not request.skip_sample:
+            if request.HasField("sampling"):
+                p = request.sampling
+                sampling = Sampling(p.temperature, p.top_k, p.top_p or 1.0, p.seed)  # checks the bounds
+            else:
+                sampling = session.route.sampling or Sampling()  # as told at open; greedy if not
         return StepRequest(session, request.start, inputs, sampling, request.return_logits)
 
     async def Info(self, request, context):

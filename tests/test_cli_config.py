@@ -76,6 +76,8 @@ def field_flags(cls: type, prefix: str = "", path: tuple = ()) -> tuple[dict[str
         else:
             flag = "--" + prefix + f.metadata.get("flag", f.name.replace("_", "-")).removeprefix("--")
             found.setdefault(flag, []).append((*path, f.name))
+            if hint is bool and default is True:  # a switch that is on by default is turned off by --no-NAME
+                found.setdefault("--no-" + flag.removeprefix("--"), []).append((*path, f.name))
     return found, excluded
 
 

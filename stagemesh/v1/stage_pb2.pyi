@@ -7,14 +7,26 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("session_id", "max_length", "request_id")
+    __slots__ = ("session_id", "max_length", "request_id", "next_address", "next_key", "upstream_key", "sampling", "wire_dtype", "previous_address")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_LENGTH_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NEXT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_KEY_FIELD_NUMBER: _ClassVar[int]
+    UPSTREAM_KEY_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     max_length: int
     request_id: str
-    def __init__(self, session_id: _Optional[str] = ..., max_length: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
+    next_address: str
+    next_key: str
+    upstream_key: str
+    sampling: SamplingParams
+    wire_dtype: str
+    previous_address: str
+    def __init__(self, session_id: _Optional[str] = ..., max_length: _Optional[int] = ..., request_id: _Optional[str] = ..., next_address: _Optional[str] = ..., next_key: _Optional[str] = ..., upstream_key: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., wire_dtype: _Optional[str] = ..., previous_address: _Optional[str] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
     __slots__ = ("session_id",)
@@ -45,7 +57,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("session_id", "start", "token_ids", "hidden", "sampling", "return_logits", "skip_sample", "wire_dtype")
+    __slots__ = ("session_id", "start", "token_ids", "hidden", "sampling", "return_logits", "skip_sample", "wire_dtype", "follow", "hop_key")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +66,8 @@ class ForwardRequest(_message.Message):
     RETURN_LOGITS_FIELD_NUMBER: _ClassVar[int]
     SKIP_SAMPLE_FIELD_NUMBER: _ClassVar[int]
     WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    FOLLOW_FIELD_NUMBER: _ClassVar[int]
+    HOP_KEY_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     start: int
     token_ids: _tensor_pb2.Tensor
@@ -62,7 +76,19 @@ class ForwardRequest(_message.Message):
     return_logits: bool
     skip_sample: bool
     wire_dtype: str
-    def __init__(self, session_id: _Optional[str] = ..., start: _Optional[int] = ..., token_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., hidden: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., return_logits: _Optional[bool] = ..., skip_sample: _Optional[bool] = ..., wire_dtype: _Optional[str] = ...) -> None: ...
+    follow: bool
+    hop_key: str
+    def __init__(self, session_id: _Optional[str] = ..., start: _Optional[int] = ..., token_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., hidden: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., return_logits: _Optional[bool] = ..., skip_sample: _Optional[bool] = ..., wire_dtype: _Optional[str] = ..., follow: _Optional[bool] = ..., hop_key: _Optional[str] = ...) -> None: ...
+
+class RelayStatus(_message.Message):
+    __slots__ = ("session_id", "code", "details")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    code: int
+    details: str
+    def __init__(self, session_id: _Optional[str] = ..., code: _Optional[int] = ..., details: _Optional[str] = ...) -> None: ...
 
 class ForwardResponse(_message.Message):
     __slots__ = ("session_id", "hidden", "token_id", "logits")

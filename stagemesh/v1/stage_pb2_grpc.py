@@ -29,6 +29,22 @@ class StageStub:
     """A stage server holds a contiguous slice [layer_start, layer_end) of a causal LM's
     decoder layers; the first stage also the embeddings, the last the final norm,
     the LM head and sampling. Routers (and tests) drive it one step at a time.
+
+    Two data paths. Relay (a session opened without next_address): every step goes router -> stage
+    -> router, and the router carries hidden states from stage to stage. Forwarding (the default of
+    routers): the router opens every stage's session naming its next stage (next_address) and a hop
+    key; it sends token ids to the first stage only, each stage sends its output hidden states
+    straight to the next over Relay (one long-lived stream per neighbour, many sessions on it), and
+    the last stage answers the sampled token on the router's own Forward stream to it, which the
+    router attached to the session with a `follow` request. Faults reach the router on the Forward
+    stream it holds on the stage that saw them: that stream ends with the status, naming the stage
+    (or its unreachable next stage).
+
+    Who may step a session: its opener, on a Forward stream of the connection that opened it; and,
+    for a session opened with an upstream_key, whoever presents that key on Relay (the previous stage,
+    told the key by the router when its own session was opened). Keys are 128 random bits the router
+    draws per session and hop, never logged and never the session id; with --tls every connection,
+    Relay ones included, is mutual TLS with the mesh's certificate, so outsiders cannot connect at all.
     """
 
     def __init__(self, channel):
@@ -52,6 +68,11 @@ class StageStub:
                 request_serializer=stagemesh_dot_v1_dot_stage__pb2.ForwardRequest.SerializeToString,
                 response_deserializer=stagemesh_dot_v1_dot_stage__pb2.ForwardResponse.FromString,
                 _registered_method=True)
+        self.Relay = channel.stream_stream(
+                '/stagemesh.v1.Stage/Relay',
+                request_serializer=stagemesh_dot_v1_dot_stage__pb2.ForwardRequest.SerializeToString,
+                response_deserializer=stagemesh_dot_v1_dot_stage__pb2.RelayStatus.FromString,
+                _registered_method=True)
         self.Info = channel.unary_unary(
                 '/stagemesh.v1.Stage/Info',
                 request_serializer=stagemesh_dot_v1_dot_stage__pb2.InfoRequest.SerializeToString,
@@ -63,10 +84,27 @@ class StageServicer:
     """A stage server holds a contiguous slice [layer_start, layer_end) of a causal LM's
     decoder layers; the first stage also the embeddings, the last the final norm,
     the LM head and sampling. Routers (and tests) drive it one step at a time.
+
+    Two data paths. Relay (a session opened without next_address): every step goes router -> stage
+    -> router, and the router carries hidden states from stage to stage. Forwarding (the default of
+    routers): the router opens every stage's session naming its next stage (next_address) and a hop
+    key; it sends token ids to the first stage only, each stage sends its output hidden states
+    straight to the next over Relay (one long-lived stream per neighbour, many sessions on it), and
+    the last stage answers the sampled token on the router's own Forward stream to it, which the
+    router attached to the session with a `follow` request. Faults reach the router on the Forward
+    stream it holds on the stage that saw them: that stream ends with the status, naming the stage
+    (or its unreachable next stage).
+
+    Who may step a session: its opener, on a Forward stream of the connection that opened it; and,
+    for a session opened with an upstream_key, whoever presents that key on Relay (the previous stage,
+    told the key by the router when its own session was opened). Keys are 128 random bits the router
+    draws per session and hop, never logged and never the session id; with --tls every connection,
+    Relay ones included, is mutual TLS with the mesh's certificate, so outsiders cannot connect at all.
     """
 
     def OpenSession(self, request, context):
-        """Reserves KV-cache room for a session of up to max_length positions.
+        """Reserves KV-cache room for a session of up to max_length positions, and records what stays the
+        same for every step (sampling, wire dtype, request id; with forwarding its next stage and hop keys).
         RESOURCE_EXHAUSTED when the stage's KV pool cannot hold it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -87,6 +125,19 @@ class StageServicer:
         session opened on another connection is NOT_FOUND. Messages larger than a whole pass's
         hidden states in float32 (--max-batch-tokens x hidden size x 4 bytes, plus 1 MiB) are
         RESOURCE_EXHAUSTED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Relay(self, request_iterator, context):
+        """Forwarding between stages: the previous stage sends the steps of the sessions it forwards here
+        (hidden states, each with its hop_key), and one stream carries every session between two
+        neighbours. Nothing is answered for a step that is taken: its result goes on to this stage's next
+        stage, or (last stage) to the router's Forward stream that follows the session. A message refused
+        (unknown session or wrong key: NOT_FOUND; ill-formed: INVALID_ARGUMENT) is answered with a
+        RelayStatus and the stream goes on, so one bad message never costs another session. When the
+        stream ends, the sessions stepped on it are closed and their routers told (UNAVAILABLE).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -117,6 +168,11 @@ def add_StageServicer_to_server(servicer, server):
                     request_deserializer=stagemesh_dot_v1_dot_stage__pb2.ForwardRequest.FromString,
                     response_serializer=stagemesh_dot_v1_dot_stage__pb2.ForwardResponse.SerializeToString,
             ),
+            'Relay': grpc.stream_stream_rpc_method_handler(
+                    servicer.Relay,
+                    request_deserializer=stagemesh_dot_v1_dot_stage__pb2.ForwardRequest.FromString,
+                    response_serializer=stagemesh_dot_v1_dot_stage__pb2.RelayStatus.SerializeToString,
+            ),
             'Info': grpc.unary_unary_rpc_method_handler(
                     servicer.Info,
                     request_deserializer=stagemesh_dot_v1_dot_stage__pb2.InfoRequest.FromString,
@@ -134,6 +190,22 @@ class Stage:
     """A stage server holds a contiguous slice [layer_start, layer_end) of a causal LM's
     decoder layers; the first stage also the embeddings, the last the final norm,
     the LM head and sampling. Routers (and tests) drive it one step at a time.
+
+    Two data paths. Relay (a session opened without next_address): every step goes router -> stage
+    -> router, and the router carries hidden states from stage to stage. Forwarding (the default of
+    routers): the router opens every stage's session naming its next stage (next_address) and a hop
+    key; it sends token ids to the first stage only, each stage sends its output hidden states
+    straight to the next over Relay (one long-lived stream per neighbour, many sessions on it), and
+    the last stage answers the sampled token on the router's own Forward stream to it, which the
+    router attached to the session with a `follow` request. Faults reach the router on the Forward
+    stream it holds on the stage that saw them: that stream ends with the status, naming the stage
+    (or its unreachable next stage).
+
+    Who may step a session: its opener, on a Forward stream of the connection that opened it; and,
+    for a session opened with an upstream_key, whoever presents that key on Relay (the previous stage,
+    told the key by the router when its own session was opened). Keys are 128 random bits the router
+    draws per session and hop, never logged and never the session id; with --tls every connection,
+    Relay ones included, is mutual TLS with the mesh's certificate, so outsiders cannot connect at all.
     """
 
     @staticmethod
@@ -207,6 +279,33 @@ class Stage:
             '/stagemesh.v1.Stage/Forward',
             stagemesh_dot_v1_dot_stage__pb2.ForwardRequest.SerializeToString,
             stagemesh_dot_v1_dot_stage__pb2.ForwardResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Relay(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/stagemesh.v1.Stage/Relay',
+            stagemesh_dot_v1_dot_stage__pb2.ForwardRequest.SerializeToString,
+            stagemesh_dot_v1_dot_stage__pb2.RelayStatus.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,156 @@
+"""Forwarding: a session's route through the chain (where its output goes, what it was told once at
+open), and the stage's links to its next stages: one long-lived Relay stream per neighbour, carrying
+the steps of every session forwarded there, created on first use and again after it breaks.
+
+A link that breaks fails every session it carried that is still open here, naming the next stage: a
+step lost on the way would otherwise leave the router waiting for a token that never comes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+
+from stage_server.sampling import Sampling
+from stagemesh import grpc_server, metrics
+from stagemesh.errors import StatusError
+from stagemesh.tls import Tls
+from stagemesh.v1 import stage_pb2, stage_pb2_grpc
+
+log = logging.getLogger("stagemesh.stage")
+
+FEED_END = object()
+"""Put on a feed when nothing more will come on it."""
+
+
+@dataclass
+class Route:
+    """What a session was told at open (stage.proto OpenSessionRequest), and where its router hears
+    from it: the Forward stream that follows it (or steps it, on the first stage)."""
+
+    next_address: str = ""
+    """Where output hidden states go ("": answered on the Forward stream that sent the step)."""
+    next_key: str = field(default="", repr=False)
+    upstream_key: str = field(default="", repr=False)
+    sampling: Sampling | None = None
+    wire_dtype: str = ""
+    previous_address: str = ""
+    feed: asyncio.Queue | None = field(default=None, repr=False)
+    """The router's stream: results (ForwardResponse) and the session's fault (an exception) go here."""
+    held: list = field(default_factory=list, repr=False)
+    """What came before a stream followed the session (a relayed step can outrun the router's follow)."""
+    order: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
+    """Relayed steps run one at a time, in the order they came (asyncio's lock is first come, first served)."""
+
+    @property
+    def forwards(self) -> bool:
+        return bool(self.next_address)
+
+    def attach(self, feed: asyncio.Queue) -> None:
+        if self.feed is feed:
+            return
+        self.feed = feed
+        for item in self.held:
+            feed.put_nowait(item)
+        self.held.clear()
+
+    def deliver(self, item: object) -> None:
+        """A result or the fault, to the router's stream (held until one follows the session)."""
+        if self.feed is None:
+            self.held.append(item)
+        else:
+            self.feed.put_nowait(item)
+
+
+LinkBroken = Callable[[str, set[str], grpc.StatusCode, str], None]
+"""(next address, sessions it carried, code, details): what the stage does when a link breaks."""
+Refused = Callable[[str, stage_pb2.RelayStatus], None]
+"""(next address, the next stage's answer): a relayed step it did not take."""
+
+
+class Link:
+    """One Relay stream to a next stage; `sessions` are those it carried (kept until it breaks)."""
+
+    def __init__(self, address: str, stub: stage_pb2_grpc.StageStub, on_broken: LinkBroken, on_refused: Refused):
+        self.address = address
+        self.call = stub.Relay()
+        self.sessions: set[str] = set()
+        self.broken = False
+        self._write_lock = asyncio.Lock()
+        self._on_broken = on_broken
+        self._on_refused = on_refused
+        self._reader = asyncio.get_running_loop().create_task(self._read(), name=f"relay-from-{address}")
+
+    async def send(self, request: stage_pb2.ForwardRequest) -> None:
+        self.sessions.add(request.session_id)
+        metrics.WIRE_BYTES.labels("out").inc(request.ByteSize())
+        try:
+            async with self._write_lock:  # one write at a time on a stream
+                await self.call.write(request)
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError) as exc:
+            self.call.cancel()  # the reader sees the end and fails what the link carried
+            raise StatusError(grpc.StatusCode.UNAVAILABLE,
+                              f"next stage {self.address} unreachable: the link to it broke ({type(exc).__name__})"
+                              ) from None
+
+    async def _read(self) -> None:
+        code, details = grpc.StatusCode.UNAVAILABLE, "the link ended"
+        try:
+            async for status in self.call:
+                self._on_refused(self.address, status)
+            code, details = grpc.StatusCode.UNAVAILABLE, "it ended the link"
+        except grpc.aio.AioRpcError as exc:
+            code, details = grpc.StatusCode.UNAVAILABLE, f"{exc.code().name}: {exc.details()}"
+        except asyncio.CancelledError:
+            details = "the link was closed"
+            raise
+        finally:
+            self.broken = True
+            self._on_broken(self.address, self.sessions, code, details)
+
+    def close(self) -> None:
+        self.call.cancel()
+        self._reader.cancel()
+
+
+class Links:
+    """The stage's links to its next stages, by address: channels with the stage's mesh TLS."""
+
+    def __init__(self, tls: Tls | None, on_broken: LinkBroken, on_refused: Refused):
+        self.tls = tls
+        self.on_broken = on_broken
+        self.on_refused = on_refused
+        self.links: dict[str, Link] = {}
+        self.channels: dict[str, grpc.aio.Channel] = {}
+
+    def link(self, address: str) -> Link:
+        link = self.links.get(address)
+        if link is None or link.broken:
+            channel = self.channels.get(address)
+            if channel is None:
+                channel = self.channels[address] = grpc_server.channel(address, self.tls)
+            link = self.links[address] = Link(address, stage_pb2_grpc.StageStub(channel), self.on_broken,
+                                              self.on_refused)
+        return link
+
+    async def send(self, address: str, request: stage_pb2.ForwardRequest) -> None:
+        await self.link(address).send(request)
+
+    def forget(self, open_sessions: dict) -> None:
+        """Drops closed sessions from the links' sets (called now and then, so the sets stay small)."""
+        for link in self.links.values():
+            if len(link.sessions) > 2 * len(open_sessions) + 64:
+                link.sessions = {s for s in link.sessions if s in open_sessions}
+
+    async def close(self) -> None:
+        for link in self.links.values():
+            link.close()
+        self.links.clear()
+        for channel in self.channels.values():
+            with contextlib.suppress(Exception):
+                await channel.close()
+        self.channels.clear()
