@@ -28,6 +28,7 @@ import torch
 from stage_server.model import StageModel, StepSlice
 from stage_server.sampling import Sampling, sample
 from stage_server.sessions import Session, UnknownSession
+from stage_server.step_timing import StepTiming
 from stagemesh import metrics
 from stagemesh.config_flags import refused
 
@@ -98,6 +99,7 @@ class StepBatcher:
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="stage-compute")
         self.recent_decode_ms: deque[float] = deque(maxlen=64)
         self.batches_run = 0
+        self.timing = StepTiming()  # where step time goes (stage_service times the wire side)
         self.running: list[StepRequest] = []  # the pass in flight
         self.last_progress = time.monotonic()  # when a pass last finished (or the batcher went idle)
         self.stopped = False
@@ -234,13 +236,17 @@ class StepBatcher:
             else:
                 live.append(req)
         if live:
+            t0 = time.perf_counter()
             steps, offset = [], 0
             for req in live:
                 steps.append(StepSlice(req.session.cache, offset, req.start, req.length))
                 offset += req.length
             inputs = live[0].inputs if len(live) == 1 else torch.cat([r.inputs for r in live])
-            out = self.model(inputs.to(self.device), steps)
+            inputs = inputs.to(self.device)
+            t0 = self.timing.since("assemble", t0)
+            out = self.model(inputs, steps)
             if self.model.is_last:
+                t0 = self.timing.since("model", t0)
                 for i, req in enumerate(live):
                     res = StepResult()
                     try:
@@ -251,8 +257,10 @@ class StepBatcher:
                         results[id(req)] = res
                     except Exception as exc:
                         results[id(req)] = _step_error(exc)
+                self.timing.since("sample", t0)
             else:
                 out = out.cpu()
+                self.timing.since("model", t0)
                 for req, st in zip(live, steps, strict=True):
                     results[id(req)] = StepResult(hidden=out[st.offset : st.offset + st.length])
         return [results[id(r)] for r in batch]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import resource
+import time
 
 import grpc
 import torch
@@ -29,6 +30,7 @@ from stagemesh.request_limits import InvalidSampling
 from stagemesh.v1 import stage_pb2, stage_pb2_grpc
 
 log = logging.getLogger("stagemesh.stage")
+_WIRE_IN, _WIRE_OUT = metrics.WIRE_BYTES.labels("in"), metrics.WIRE_BYTES.labels("out")
 
 
 def peak_rss_bytes() -> int:
@@ -94,20 +96,27 @@ class StageService(stage_pb2_grpc.StageServicer):
     async def Forward(self, request_iterator, context):
         caller = caller_of(context)
         touched: set[str] = set()
+        timing = self.batcher.timing
         try:
             async for request in request_iterator:
-                metrics.WIRE_BYTES.labels("in").inc(request.ByteSize())
+                t0 = time.perf_counter()
+                _WIRE_IN.inc(request.ByteSize())
                 session = self.sessions.get(request.session_id, caller)  # only the opener's, else NOT_FOUND
                 touched.add(session.session_id)
-                result = await self.batcher.submit(self._to_step(request, session))
+                step = self._to_step(request, session)
+                timing.since("wire_decode", t0)
+                result = await self.batcher.submit(step)
+                t0 = time.perf_counter()
                 response = stage_pb2.ForwardResponse(session_id=request.session_id)
-                if result.hidden is not None:
-                    response.hidden.CopyFrom(tensor_codec.encode_hidden(result.hidden, request.wire_dtype))
+                if result.hidden is not None:  # written in place: no second message, no CopyFrom
+                    tensor_codec.encode_hidden_into(response.hidden, result.hidden, request.wire_dtype)
                 if result.token_id is not None:
                     response.token_id = result.token_id
                 if result.logits is not None:
-                    response.logits.CopyFrom(tensor_codec.encode(result.logits))
-                metrics.WIRE_BYTES.labels("out").inc(response.ByteSize())
+                    tensor_codec.encode_into(response.logits, result.logits)
+                _WIRE_OUT.inc(response.ByteSize())
+                timing.since("encode", t0)
+                timing.steps += 1
                 yield response
         finally:
             # The stream is the session's lifeline: when it ends (done, cancelled, caller gone),
@@ -190,4 +199,6 @@ class StageService(stage_pb2_grpc.StageServicer):
             load_s=model.load_s,
             max_batch_tokens=self.batcher.config.max_batch_tokens,
             fingerprint=self.fingerprint,
+            step_phase_seconds=self.batcher.timing.seconds,
+            steps_timed=self.batcher.timing.steps,
         )
