@@ -35,8 +35,8 @@ class CodecError(ValueError):
 
 
 def encode_into(msg: tensor_pb2.Tensor, t: torch.Tensor) -> tensor_pb2.Tensor:
-    """Writes t into msg (a field of the message being answered: no second message and no CopyFrom).
-    The bytes are copied once, out of the tensor; protobuf copies them once more into the message."""
+    """Writes t into msg, an empty Tensor (a field of the message being answered: no second message and no
+    CopyFrom). The bytes are copied once, out of the tensor; protobuf copies them once more into the message."""
     if t.dtype not in NAMES:
         raise CodecError(f"cannot send dtype {t.dtype}; supported: {', '.join(DTYPES)}")
     t = t.detach()
@@ -46,7 +46,7 @@ def encode_into(msg: tensor_pb2.Tensor, t: torch.Tensor) -> tensor_pb2.Tensor:
     # numpy has no bfloat16: view the bits as int16 so the bytes go out untouched.
     raw = t.view(torch.int16) if t.dtype == torch.bfloat16 else t
     msg.dtype = NAMES[t.dtype]
-    msg.shape[:] = t.shape
+    msg.shape.extend(t.shape)
     msg.data = raw.numpy().tobytes()
     return msg
 
@@ -65,7 +65,7 @@ def encode_hidden_into(msg: tensor_pb2.Tensor, t: torch.Tensor, wire_dtype: str 
         scale = t.abs().amax(dim=-1).clamp(min=1e-12) / 127.0  # [tokens]
         q = torch.round(t / scale[:, None]).clamp(-127, 127).to(torch.int8)
         encode_into(msg, q)
-        msg.row_scale[:] = scale.tolist()
+        msg.row_scale.extend(scale.tolist())
         return msg
     if wire_dtype not in FLOAT_DTYPES:
         raise CodecError(f"wire dtype {wire_dtype!r}: use one of {', '.join(WIRE_DTYPES)}")
