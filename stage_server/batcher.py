@@ -243,10 +243,11 @@ class StepBatcher:
                 offset += req.length
             inputs = live[0].inputs if len(live) == 1 else torch.cat([r.inputs for r in live])
             inputs = inputs.to(self.device)
-            t0 = self.timing.since("assemble", t0)
+            decode = offset == len(live)  # a pass of decode steps only (step_timing counts those apart)
+            t0 = self.timing.since("assemble", t0, decode)
             out = self.model(inputs, steps)
             if self.model.is_last:
-                t0 = self.timing.since("model", t0)
+                t0 = self.timing.since("model", t0, decode)
                 for i, req in enumerate(live):
                     res = StepResult()
                     try:
@@ -257,10 +258,10 @@ class StepBatcher:
                         results[id(req)] = res
                     except Exception as exc:
                         results[id(req)] = _step_error(exc)
-                self.timing.since("sample", t0)
+                self.timing.since("sample", t0, decode)
             else:
                 out = out.cpu()
-                self.timing.since("model", t0)
+                self.timing.since("model", t0, decode)
                 for req, st in zip(live, steps, strict=True):
                     results[id(req)] = StepResult(hidden=out[st.offset : st.offset + st.length])
         return [results[id(r)] for r in batch]

@@ -104,7 +104,8 @@ class StageService(stage_pb2_grpc.StageServicer):
                 session = self.sessions.get(request.session_id, caller)  # only the opener's, else NOT_FOUND
                 touched.add(session.session_id)
                 step = self._to_step(request, session)
-                timing.since("wire_decode", t0)
+                decode = step.length == 1
+                timing.since("wire_decode", t0, decode)
                 result = await self.batcher.submit(step)
                 t0 = time.perf_counter()
                 response = stage_pb2.ForwardResponse(session_id=request.session_id)
@@ -115,8 +116,8 @@ class StageService(stage_pb2_grpc.StageServicer):
                 if result.logits is not None:
                     tensor_codec.encode_into(response.logits, result.logits)
                 _WIRE_OUT.inc(response.ByteSize())
-                timing.since("encode", t0)
-                timing.steps += 1
+                timing.since("encode", t0, decode)
+                timing.decode_steps += decode
                 yield response
         finally:
             # The stream is the session's lifeline: when it ends (done, cancelled, caller gone),
@@ -199,6 +200,6 @@ class StageService(stage_pb2_grpc.StageServicer):
             load_s=model.load_s,
             max_batch_tokens=self.batcher.config.max_batch_tokens,
             fingerprint=self.fingerprint,
-            step_phase_seconds=self.batcher.timing.seconds,
-            steps_timed=self.batcher.timing.steps,
+            decode_phase_seconds=self.batcher.timing.decode_seconds,
+            decode_steps=self.batcher.timing.decode_steps,
         )

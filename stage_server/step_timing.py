@@ -1,6 +1,7 @@
-"""Where a stage's step time goes, phase by phase: kept as running totals (Stage/Info reports them, so a
-benchmark reads the per-step breakdown of a real stage process) and observed into the Prometheus histogram
-stagemesh_stage_step_phase_seconds{phase} (so it is visible in production too).
+"""Where a stage's step time goes, phase by phase: every step's (or pass's) phases are observed into the
+Prometheus histogram stagemesh_stage_step_phase_seconds{phase} (visible in production), and decode steps' are
+also kept as running totals (Stage/Info reports them, so a benchmark reads the per-token breakdown of a real
+stage process; a prefill chunk, many times longer, would blur it).
 
 Timers rather than a profiler: they cost ~1 µs a phase, stay on in production, and time exactly the phases
 the floor is about; a profiler's hooks on every call would change the very overhead it measures.
@@ -22,18 +23,17 @@ _OBSERVE = {phase: metrics.STEP_PHASE_SECONDS.labels(phase).observe for phase in
 
 
 class StepTiming:
-    """Seconds spent in each phase since the stage started, and how many steps they cover."""
+    """Seconds decode steps (one token each) spent in each phase since the stage started, and how many steps
+    they cover; a pass of decode steps only counts as theirs."""
 
     def __init__(self) -> None:
-        self.seconds = dict.fromkeys(PHASES, 0.0)
-        self.steps = 0
+        self.decode_seconds = dict.fromkeys(PHASES, 0.0)
+        self.decode_steps = 0
 
-    def add(self, phase: str, seconds: float) -> None:
-        self.seconds[phase] += seconds
-        _OBSERVE[phase](seconds)
-
-    def since(self, phase: str, t0: float) -> float:
+    def since(self, phase: str, t0: float, decode: bool) -> float:
         """Adds the time from t0 (time.perf_counter()) to now to phase; returns now."""
         now = time.perf_counter()
-        self.add(phase, now - t0)
+        _OBSERVE[phase](now - t0)
+        if decode:
+            self.decode_seconds[phase] += now - t0
         return now
