@@ -9,7 +9,8 @@
 (a) is transformers' generate() in one process (a subprocess of this script, so its peak RSS is its own and
 its torch threads never share the cores with the mesh); (b) is a stagemesh started with start_local_mesh:
 stage and router processes, called through the router's Generate stream with grpc.aio. The two never run
-at the same time. Everything runs on the CPU. Metrics, each the median over repeated runs:
+at the same time. Everything runs on the CPU (--device cuda: stages, transformers and the GEMV on the GPU).
+Metrics, each the median over repeated runs:
 
 1. single-stream greedy decode tokens/s: first streamed token to last (and end to end, from the call);
 2. time to first token for 32-, 512- and 2048-token prompts (those that fit the model's context); the mesh
@@ -220,16 +221,20 @@ def gemv_worker(spec: dict) -> dict:
     import torch
 
     torch.set_num_threads(spec["threads"])
+    device = torch.device(spec.get("device", "cpu"))
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     cols = 8192
     rows = int(spec["gib"] * 2**30) // (4 * cols)
-    matrix = torch.empty(rows, cols, dtype=torch.float32).fill_(1e-3)  # touches every page
-    vector = torch.full((cols,), 1e-3, dtype=torch.float32)
+    matrix = torch.empty(rows, cols, dtype=torch.float32, device=device).fill_(1e-3)  # touches every page
+    vector = torch.full((cols,), 1e-3, dtype=torch.float32, device=device)
     for _ in range(2):
         torch.mv(matrix, vector)
     times = []
     for _ in range(spec["runs"]):
+        sync()
         t = time.perf_counter()
         torch.mv(matrix, vector)
+        sync()
         times.append(time.perf_counter() - t)
     return {"matrix_bytes": matrix.nbytes, "threads": spec["threads"], "seconds": times,
             "bytes_per_s": matrix.nbytes / statistics.median(times)}
@@ -257,7 +262,8 @@ def transformers_worker(spec: dict) -> dict:
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(spec["threads"])
-    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=getattr(torch, spec["dtype"])).eval()
+    device = spec.get("device", "cpu")
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=getattr(torch, spec["dtype"])).to(device).eval()
     eos = model.generation_config.eos_token_id  # what the router stops on too
     eos_ids = set([eos] if isinstance(eos, int) else (eos or []))
     pad_id = model.generation_config.pad_token_id
@@ -268,7 +274,7 @@ def transformers_worker(spec: dict) -> dict:
 
     def generate(ids: list[int], max_new_tokens: int) -> tuple[float, list[tuple[float, int]], list[int]]:
         streamer = _TimingStreamer()
-        input_ids = torch.tensor([ids])
+        input_ids = torch.tensor([ids], device=device)
         t_call = time.perf_counter()
         with torch.inference_mode():
             out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
@@ -295,8 +301,8 @@ def transformers_worker(spec: dict) -> dict:
         """One static, left-padded batch, generated to the longest output asked for; only each stream's own
         tokens (up to its max_new_tokens or its end-of-sequence token) count as produced."""
         width = max(len(p) for p, _ in streams)
-        input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p, _ in streams])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in streams])
+        input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p, _ in streams], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in streams], device=device)
         t = time.perf_counter()
         with torch.inference_mode():
             out = model.generate(input_ids, attention_mask=mask, max_new_tokens=max(n for _, n in streams),
@@ -476,7 +482,8 @@ def run_mesh(model: str, stages: int, replicas: int, args: argparse.Namespace, p
 
     started = time.perf_counter()
     result = SystemResult(f"mesh {stages}x{replicas}", stages, replicas, args.prefill_chunk)
-    stage_args = ["--device", "cpu", "--kv-cache-gb", f"{kv_cache_gb(config, args.dtype, w):.3f}"]
+    stage_args = ["--device", args.device, "--kv-cache-gb", f"{kv_cache_gb(config, args.dtype, w):.3f}",
+                  *args.stage_arg]
     log_dir.mkdir(parents=True, exist_ok=True)
     mesh, router = start_local_mesh(model, stages=stages, replicas=replicas, router_port=0, dtype=args.dtype,
                                     threads=args.stage_threads, prefill_chunk=args.prefill_chunk,
@@ -650,12 +657,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     which.add_argument("--model", help="local Hugging Face checkpoint (default: the tiny model)")
     which.add_argument("--medium", action="store_true", help="a ~270M Llama, made in models/llama-270m if absent")
     p.add_argument("--dtype", choices=list(DTYPE_BYTES), default="float32")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda for every side (scripts/gpu_check.sh)")
     p.add_argument("--quick", action="store_true", help="a smoke run: stages 1,2; concurrency 1,4; fewer runs")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                    else os.cpu_count(),
                    help="torch threads for transformers and the GEMV (default: this machine's CPUs)")
     p.add_argument("--stage-threads", type=int, default=None,
                    help="torch threads per stage process (default: the CPUs shared among the mesh's stages)")
+    p.add_argument("--stage-arg", action="append", default=[], metavar="FLAG",
+                   help="a flag for every stage, e.g. --stage-arg=--compile (repeatable)")
     p.add_argument("--prefill-chunk", type=int, default=256, help="the router's pipelined prefill chunk")
     p.add_argument("--stages", type=ints, help="override: stages per chain, e.g. 1,2,4")
     p.add_argument("--replicas", type=ints, help="override: chains, e.g. 1,2")
@@ -703,7 +713,8 @@ def run_benchmark(args: argparse.Namespace) -> None:
     w = make_workload(plan, config.vocab_size, config.max_position_embeddings)
     params, bytes_per_token = weight_bytes_per_token(model, args.dtype)
     args.out.mkdir(parents=True, exist_ok=True)
-    meta = {"model": model, "dtype": args.dtype, "threads": args.threads, "cpus": os.cpu_count(),
+    meta = {"model": model, "dtype": args.dtype, "device": args.device, "stage_args": args.stage_arg,
+            "threads": args.threads, "cpus": os.cpu_count(),
             "quick": args.quick, "parameters": params, "weight_bytes_per_token": bytes_per_token,
             "prefill_chunk": args.prefill_chunk, "plan": asdict(plan), "platform": platform.platform(),
             "python": platform.python_version(), "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
@@ -719,11 +730,12 @@ def run_benchmark(args: argparse.Namespace) -> None:
 
     with tempfile.TemporaryDirectory(prefix="stagemesh-bench-") as tmp:
         print(f"GEMV bandwidth ({plan.gemv_gib} GiB, {args.threads} threads)", flush=True)
-        gemv_spec = {"gib": plan.gemv_gib, "runs": plan.gemv_runs, "threads": args.threads}
+        gemv_spec = {"gib": plan.gemv_gib, "runs": plan.gemv_runs, "threads": args.threads, "device": args.device}
         bandwidth = phase("gemv", lambda: run_worker("gemv", gemv_spec, args.threads, Path(tmp)))
 
         print(f"transformers generate() on {model}", flush=True)
-        spec = {"model": model, "dtype": args.dtype, "threads": args.threads, "repeats": plan.repeats,
+        spec = {"model": model, "dtype": args.dtype, "device": args.device, "threads": args.threads,
+                "repeats": plan.repeats,
                 "concurrency_repeats": plan.concurrency_repeats, "decode_tokens": plan.decode_tokens,
                 "levels": plan.levels, "workload": asdict(w)}
         hf = SystemResult(**phase("transformers", lambda: run_worker("transformers", spec, args.threads, Path(tmp))))

@@ -29,6 +29,7 @@ from stage_server.kv_pool import PREEMPTED, PoolExhausted, Preempted
 from stage_server.model import StageModel, StepSlice
 from stage_server.sampling import Sampling, sample_rows
 from stage_server.sessions import Session, UnknownSession
+from stage_server.step_timing import StepTiming
 from stagemesh import metrics
 from stagemesh.config_flags import refused
 
@@ -99,6 +100,7 @@ class StepBatcher:
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="stage-compute")
         self.recent_decode_ms: deque[float] = deque(maxlen=64)
         self.batches_run = 0
+        self.timing = StepTiming()  # where step time goes (stage_service times the wire side)
         self.running: list[StepRequest] = []  # the pass in flight
         self.last_progress = time.monotonic()  # when a pass last finished (or the batcher went idle)
         self.stopped = False
@@ -236,13 +238,18 @@ class StepBatcher:
         self._grow(batch, results)
         live = [r for r in batch if id(r) not in results]
         if live:
+            t0 = time.perf_counter()
             steps, offset = [], 0
             for req in live:
                 steps.append(StepSlice(req.session.cache, offset, req.start, req.length))
                 offset += req.length
             inputs = live[0].inputs if len(live) == 1 else torch.cat([r.inputs for r in live])
-            out = self.model(inputs.to(self.device), steps)
+            inputs = inputs.to(self.device)
+            decode = offset == len(live)  # a pass of decode steps only (step_timing counts those apart)
+            t0 = self.timing.since("assemble", t0, decode)
+            out = self.model(inputs, steps)
             if self.model.is_last:
+                t0 = self.timing.since("model", t0, decode)
                 positions = [req.start + req.length for req in live]
                 tokens = sample_rows(out, [req.sampling for req in live], positions)
                 wanted = [i for i, req in enumerate(live) if req.return_logits]
@@ -251,8 +258,10 @@ class StepBatcher:
                     token = tokens[i]
                     results[id(req)] = (_step_error(token) if isinstance(token, Exception)
                                         else StepResult(token_id=token, logits=logits.get(i)))
+                self.timing.since("sample", t0, decode)
             else:
                 out = out.cpu()
+                self.timing.since("model", t0, decode)
                 for req, st in zip(live, steps, strict=True):
                     results[id(req)] = StepResult(hidden=out[st.offset : st.offset + st.length])
         return [results[id(r)] for r in batch]

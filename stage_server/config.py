@@ -115,6 +115,9 @@ class StageConfig:
     """Read every weight page at start, so that no request pays for a cold page (tensors used as stored
     are otherwise views of the memory-mapped safetensors file, read on first use); Stage/Info reports
     the load time as cold start."""
+    compile: bool = False
+    """torch.compile (inductor) each layer's MLP and norms and the LM head, during the warm-up before SERVING
+    (the time shows in the cold start); eager, logged once, if compilation fails (stage_server/compiled.py)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in get_args(ServingDtype):

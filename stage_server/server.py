@@ -13,6 +13,7 @@ import torch
 from grpc_health.v1 import health_pb2
 
 from stage_server.batcher import StepBatcher
+from stage_server.compiled import compile_stage, is_compiled, uncompile_stage
 from stage_server.config import StageConfig, max_step_bytes, split_host_port
 from stage_server.kv_pool import KVPool
 from stage_server.loader import load_stage
@@ -94,18 +95,32 @@ class StageSlot(stage_pb2_grpc.StageServicer):
         return await self._service().Info(request, context)
 
 
-def warm_up(model: StageModel, pool: KVPool) -> float:
-    """One pass over a scratch session before the stage says SERVING, so that the first caller does
-    not pay for first-use costs (allocator growth, kernel selection); returns its seconds."""
-    t0 = time.perf_counter()
-    cache = pool.allocate(2)
+def _scratch_passes(model: StageModel, pool: KVPool, lengths: tuple[int, ...]) -> None:
+    """Passes of these token counts, one after another, over a scratch session."""
+    cache = pool.allocate(sum(lengths))
     try:
-        pool.grow(cache, 1)
-        inputs = (torch.zeros(1, dtype=torch.long, device=model.device) if model.is_first
-                  else torch.zeros(1, model.args.hidden_size, dtype=model.dtype, device=model.device))
-        model(inputs, [StepSlice(cache, 0, 0, 1)])
+        start = 0
+        for n in lengths:
+            pool.grow(cache, start + n)
+            inputs = (torch.zeros(n, dtype=torch.long, device=model.device) if model.is_first
+                      else torch.zeros(n, model.args.hidden_size, dtype=model.dtype, device=model.device))
+            model(inputs, [StepSlice(cache, 0, start, n)])
+            start += n
     finally:
         pool.release(cache)
+
+
+def warm_up(model: StageModel, pool: KVPool) -> float:
+    """A pass over a scratch session before the stage says SERVING, so that the first caller does
+    not pay for first-use costs (allocator growth, kernel selection, --compile's compilation: a prefill
+    and a decode shape); returns its seconds. A compilation that fails leaves the stage eager."""
+    t0 = time.perf_counter()
+    if is_compiled(model):
+        try:
+            _scratch_passes(model, pool, (2, 1))
+        except Exception as exc:  # the compiler's failure, whatever its kind: serve eager instead
+            uncompile_stage(model, exc)
+    _scratch_passes(model, pool, (1,))
     return time.perf_counter() - t0
 
 
@@ -157,6 +172,8 @@ class StageServer:
         model = load_stage(self.config.model, layer_start, layer_end, dtype=dtype, device=self.device,
                            int8_linears=loads_int8_weights(self.config.quantize, self.device.type, dtype))
         model = quantize(model, self.config.quantize)  # torch.ao's path on CPU float32; else done at load
+        if self.config.compile:
+            compile_stage(model)  # compiles in the warm-up, before SERVING
         if self.config.preload:
             with torch.inference_mode():
                 for p in model.parameters():
@@ -178,7 +195,11 @@ class StageServer:
         self.pool = KVPool(kv_bytes, len(model.layers), args.num_kv_heads, args.head_dim, model.dtype, model.device,
                            config.kv_block_size, config.kv_lookahead_blocks)
         warm_s = await asyncio.to_thread(warm_up, model, self.pool)
-        log.info(f"warm-up pass in {warm_s * 1000:.0f} ms", extra={"stage": self.address})
+        compiled = (" with torch.compile" if is_compiled(model) else " (eager: compilation failed)") \
+            if config.compile else ""
+        model.load_s += warm_s  # the cold start: load, then warm-up (and compilation) before serving
+        log.info(f"warm-up in {warm_s * 1000:.0f} ms{compiled}; cold start {model.load_s:.2f}s before serving",
+                 extra={"stage": self.address})
         self.sessions = SessionTable(self.pool, args.max_position)
         self.batcher = StepBatcher(model, config.batcher)
         self.batcher.start()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import resource
+import time
 
 import grpc
 import torch
@@ -32,6 +33,7 @@ from stagemesh.tls import Tls
 from stagemesh.v1 import stage_pb2, stage_pb2_grpc
 
 log = logging.getLogger("stagemesh.stage")
+_WIRE_IN, _WIRE_OUT = metrics.WIRE_BYTES.labels("in"), metrics.WIRE_BYTES.labels("out")
 
 
 def peak_rss_bytes() -> int:
@@ -157,9 +159,9 @@ class StageService(stage_pb2_grpc.StageServicer):
                 if request.follow:
                     pass
                 elif session.route.forwards:
-                    metrics.WIRE_BYTES.labels("in").inc(request.ByteSize())
-                    result = await self.batcher.submit(self._to_step(request, session, self._inputs(request)))
-                    await self._send_on(session, request, result)
+                    _WIRE_IN.inc(request.ByteSize())
+                    result, decode = await self._run(request, session)
+                    await self._send_on(session, request, result, decode)
                 else:
                     feed.put_nowait(await self._answer(request, session))
                 request = await anext(requests, None)
@@ -168,28 +170,45 @@ class StageService(stage_pb2_grpc.StageServicer):
 
     async def _answer(self, request: stage_pb2.ForwardRequest, session: Session) -> stage_pb2.ForwardResponse:
         """A step answered to its sender: hidden states, or the sampled token (and logits)."""
-        metrics.WIRE_BYTES.labels("in").inc(request.ByteSize())
-        result = await self.batcher.submit(self._to_step(request, session, self._inputs(request)))
+        _WIRE_IN.inc(request.ByteSize())
+        result, decode = await self._run(request, session)
+        t0 = time.perf_counter()
         response = self._response(session, result, request.wire_dtype)
-        metrics.WIRE_BYTES.labels("out").inc(response.ByteSize())
+        _WIRE_OUT.inc(response.ByteSize())
+        self.batcher.timing.since("encode", t0, decode)
         return response
+
+    async def _run(self, request: stage_pb2.ForwardRequest, session: Session, inputs: torch.Tensor | None = None,
+                   t0: float | None = None) -> tuple[StepResult, bool]:
+        """Runs a step: its input decoded (unless already, from t0 on) and checked, then its pass. Times the wire
+        decode (step_timing); returns the result and whether it was a decode step (one token)."""
+        t0 = time.perf_counter() if t0 is None else t0
+        step = self._to_step(request, session, self._inputs(request) if inputs is None else inputs)
+        decode = step.length == 1
+        self.batcher.timing.since("wire_decode", t0, decode)
+        result = await self.batcher.submit(step)
+        self.batcher.timing.decode_steps += decode
+        return result, decode
 
     def _response(self, session: Session, result: StepResult, wire_dtype: str = "") -> stage_pb2.ForwardResponse:
         response = stage_pb2.ForwardResponse(session_id=session.session_id)
-        if result.hidden is not None:
-            response.hidden.CopyFrom(tensor_codec.encode_hidden(result.hidden, wire_dtype or session.route.wire_dtype))
+        if result.hidden is not None:  # written in place: no second message, no CopyFrom
+            tensor_codec.encode_hidden_into(response.hidden, result.hidden, wire_dtype or session.route.wire_dtype)
         if result.token_id is not None:
             response.token_id = result.token_id
         if result.logits is not None:
-            response.logits.CopyFrom(tensor_codec.encode(result.logits))
+            tensor_codec.encode_into(response.logits, result.logits)
         return response
 
-    async def _send_on(self, session: Session, request: stage_pb2.ForwardRequest, result: StepResult) -> None:
+    async def _send_on(self, session: Session, request: stage_pb2.ForwardRequest, result: StepResult,
+                       decode: bool) -> None:
         """A forwarding session's output, to its next stage (sent once per step, with the step's flags)."""
+        t0 = time.perf_counter()
         route = session.route
         onward = stage_pb2.ForwardRequest(session_id=session.session_id, start=request.start, hop_key=route.next_key,
                                           skip_sample=request.skip_sample, return_logits=request.return_logits)
-        onward.hidden.CopyFrom(tensor_codec.encode_hidden(result.hidden, request.wire_dtype or route.wire_dtype))
+        tensor_codec.encode_hidden_into(onward.hidden, result.hidden, request.wire_dtype or route.wire_dtype)
+        self.batcher.timing.since("encode", t0, decode)
         await self.links.send(route.next_address, onward)
 
     async def Relay(self, request_iterator, context):
@@ -197,7 +216,7 @@ class StageService(stage_pb2_grpc.StageServicer):
         running: set[asyncio.Task] = set()
         try:
             async for request in request_iterator:
-                metrics.WIRE_BYTES.labels("in").inc(request.ByteSize())
+                _WIRE_IN.inc(request.ByteSize())
                 try:
                     session = self.sessions.relayed(request.session_id, request.hop_key)
                 except UnknownSession as exc:
@@ -205,6 +224,7 @@ class StageService(stage_pb2_grpc.StageServicer):
                                                 details=str(exc))
                     continue
                 carried.add(session.session_id)
+                t0 = time.perf_counter()
                 try:
                     inputs = self._inputs(request)
                 except (StatusError, tensor_codec.CodecError) as exc:  # ill-formed: that session's step is lost
@@ -214,7 +234,8 @@ class StageService(stage_pb2_grpc.StageServicer):
                     yield stage_pb2.RelayStatus(session_id=request.session_id, code=status.code.value[0],
                                                 details=status.message)
                     continue
-                task = asyncio.get_running_loop().create_task(self._relayed_step(session, request, inputs))
+                task = asyncio.get_running_loop().create_task(
+                    self._relayed_step(session, request, inputs, time.perf_counter() - t0))
                 running.add(task)
                 task.add_done_callback(running.discard)
                 if len(carried) > 2 * len(self.sessions) + 64:
@@ -229,17 +250,24 @@ class StageService(stage_pb2_grpc.StageServicer):
                                             f"the link from the previous stage {previous} ended (it stopped, or the "
                                             "link broke)"))
 
-    async def _relayed_step(self, session: Session, request: stage_pb2.ForwardRequest, inputs: torch.Tensor) -> None:
+    async def _relayed_step(self, session: Session, request: stage_pb2.ForwardRequest, inputs: torch.Tensor,
+                            decode_s: float) -> None:
+        """A step relayed by the previous stage (its input decoded on arrival, in decode_s), run in its session's
+        order; the result goes on to the next stage, or (last stage) to the router following the session."""
         route = session.route
         try:
             async with route.order:
                 if session.closed:
                     return
-                result = await self.batcher.submit(self._to_step(request, session, inputs))
+                result, decode = await self._run(request, session, inputs, time.perf_counter() - decode_s)
                 if route.forwards:
-                    await self._send_on(session, request, result)
+                    await self._send_on(session, request, result, decode)
                 elif result.token_id is not None or result.logits is not None:
-                    route.deliver(self._response(session, result))
+                    t0 = time.perf_counter()
+                    response = self._response(session, result)
+                    _WIRE_OUT.inc(response.ByteSize())
+                    self.batcher.timing.since("encode", t0, decode)
+                    route.deliver(response)
         except Exception as exc:
             self._fail(session.session_id, exc)
 
@@ -343,4 +371,6 @@ class StageService(stage_pb2_grpc.StageServicer):
             load_s=model.load_s,
             max_batch_tokens=self.batcher.config.max_batch_tokens,
             fingerprint=self.fingerprint,
+            decode_phase_seconds=self.batcher.timing.decode_seconds,
+            decode_steps=self.batcher.timing.decode_steps,
         )

@@ -50,6 +50,11 @@ KV_FREE_BYTES = Gauge("stagemesh_stage_kv_free_bytes", "KV pool bytes free")
 QUEUED_STEPS = Gauge("stagemesh_stage_queued_steps", "Session steps waiting for a pass")
 WIRE_BYTES = Counter("stagemesh_stage_wire_bytes_total", "Bytes of Forward messages, in from the caller and out",
                      ["direction"])
+STEP_PHASE_SECONDS = Histogram(
+    "stagemesh_stage_step_phase_seconds",
+    "Time of one step (or pass) in each phase: wire_decode, assemble, model, sample, encode "
+    "(stage_server/step_timing.py)", ["phase"],
+    buckets=(0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 1))
 STALLED = Gauge("stagemesh_stage_stalled", "1 while steps wait and no pass finished within --stall-timeout-s")
 
 

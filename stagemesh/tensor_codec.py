@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from array import array
 
 import torch
@@ -22,36 +23,57 @@ WIRE_DTYPES = ("float32", "bfloat16", "float16", "int8")
 """How hidden states may travel between stages (int8: per-row scaled)."""
 
 
+# decode() views a message's bytes without copying them (torch.frombuffer). Those bytes are the tensor's own:
+# protobuf's upb backend hands out a fresh bytes object at every read of a bytes field, and the tensor
+# keeps it alive. torch warns (once) that bytes are not writable; nothing writes into a decoded tensor
+# (the model makes new tensors from its inputs), and writing would touch only that private copy.
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+
+
 class CodecError(ValueError):
     """The message does not describe a valid tensor; the caller sent something malformed."""
 
 
-def encode(t: torch.Tensor) -> tensor_pb2.Tensor:
+def encode_into(msg: tensor_pb2.Tensor, t: torch.Tensor) -> tensor_pb2.Tensor:
+    """Writes t into msg, an empty Tensor (a field of the message being answered: no second message and no
+    CopyFrom). The bytes are copied once, out of the tensor; protobuf copies them once more into the message."""
     if t.dtype not in NAMES:
         raise CodecError(f"cannot send dtype {t.dtype}; supported: {', '.join(DTYPES)}")
-    t = t.detach().contiguous()
+    t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
+    t = t.contiguous()
     # numpy has no bfloat16: view the bits as int16 so the bytes go out untouched.
     raw = t.view(torch.int16) if t.dtype == torch.bfloat16 else t
-    return tensor_pb2.Tensor(dtype=NAMES[t.dtype], shape=list(t.shape), data=raw.numpy().tobytes())
+    msg.dtype = NAMES[t.dtype]
+    msg.shape.extend(t.shape)
+    msg.data = raw.numpy().tobytes()
+    return msg
 
 
-def encode_hidden(t: torch.Tensor, wire_dtype: str = "") -> tensor_pb2.Tensor:
-    """Hidden states [tokens, hidden] in wire_dtype ("" keeps their own). int8 keeps one float scale
-    per token (row), which bounds each value's error by half a step of that row's absmax / 127."""
+def encode(t: torch.Tensor) -> tensor_pb2.Tensor:
+    return encode_into(tensor_pb2.Tensor(), t)
+
+
+def encode_hidden_into(msg: tensor_pb2.Tensor, t: torch.Tensor, wire_dtype: str = "") -> tensor_pb2.Tensor:
+    """Hidden states [tokens, hidden] into msg, in wire_dtype ("" keeps their own). int8 keeps one float
+    scale per token (row), which bounds each value's error by half a step of that row's absmax / 127."""
     if not wire_dtype or NAMES.get(t.dtype) == wire_dtype:
-        return encode(t)
+        return encode_into(msg, t)
     if wire_dtype == "int8":
         t = t.float()
         scale = t.abs().amax(dim=-1).clamp(min=1e-12) / 127.0  # [tokens]
         q = torch.round(t / scale[:, None]).clamp(-127, 127).to(torch.int8)
-        msg = encode(q)
+        encode_into(msg, q)
         msg.row_scale.extend(scale.tolist())
         return msg
     if wire_dtype not in FLOAT_DTYPES:
         raise CodecError(f"wire dtype {wire_dtype!r}: use one of {', '.join(WIRE_DTYPES)}")
-    return encode(t.to(DTYPES[wire_dtype]))
+    return encode_into(msg, t.to(DTYPES[wire_dtype]))
+
+
+def encode_hidden(t: torch.Tensor, wire_dtype: str = "") -> tensor_pb2.Tensor:
+    return encode_hidden_into(tensor_pb2.Tensor(), t, wire_dtype)
 
 
 def encode_ids(ids: list[int]) -> tensor_pb2.Tensor:
@@ -60,7 +82,8 @@ def encode_ids(ids: list[int]) -> tensor_pb2.Tensor:
 
 
 def decode(msg: tensor_pb2.Tensor) -> torch.Tensor:
-    """Returns a tensor that owns its memory (safe to keep after the message is gone)."""
+    """Returns a tensor that owns its memory (safe to keep after the message is gone): a view of the
+    bytes object msg.data hands out, with no further copy."""
     dtype = DTYPES.get(msg.dtype)
     if dtype is None:
         raise CodecError(f"unknown tensor dtype {msg.dtype!r}; supported: {', '.join(DTYPES)}")
@@ -78,7 +101,7 @@ def decode(msg: tensor_pb2.Tensor) -> torch.Tensor:
         )
     if numel == 0:
         return torch.empty(shape, dtype=dtype)
-    t = torch.frombuffer(bytearray(msg.data), dtype=dtype).reshape(shape)
+    t = torch.frombuffer(msg.data, dtype=dtype).reshape(shape)
     if msg.row_scale:
         if dtype != torch.int8 or len(shape) != 2 or len(msg.row_scale) != shape[0]:
             raise CodecError(f"row_scale ({len(msg.row_scale)} values) needs an int8 tensor of "

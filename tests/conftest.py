@@ -25,6 +25,13 @@ FAMILIES = ("llama", "mistral", "qwen2")
 NUM_LAYERS = 8
 
 
+def pytest_addoption(parser) -> None:
+    # scripts/gpu_check.sh runs tests/test_device_exactness.py with these on a CUDA machine.
+    parser.addoption("--device", default="cpu", help="where test_device_exactness runs both sides: cpu or cuda")
+    parser.addoption("--test-dtype", default="float32", help="test_device_exactness's dtype: float32 or bfloat16")
+    parser.addoption("--test-model", default="", help="test_device_exactness's checkpoint (default: the tiny Llama)")
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")

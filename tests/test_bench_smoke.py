@@ -92,3 +92,28 @@ def test_bench_network_measures_both_modes_against_their_models(tmp_path):
     assert [(r["stages"], r["delay_ms"]) for r in rows] == [(2, 0), (2, 2)]
     for r in rows:
         assert r["relay_ms"] > 0 and r["forwarding_ms"] > 0 and r["forwarding_model_ms"] > 0, r
+@pytest.mark.timeout(330)
+def test_bench_floor_quick_reports_the_wire_the_chain_and_its_breakdown(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_floor.py"), "--quick", "--out", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    report = json.loads((tmp_path / "floor.json").read_text())
+    assert [(r["tokens"], r["hidden"]) for r in report["wire"]] == [(1, 256), (1, 1024), (256, 1024)]
+    hf, (chain,) = report["tiny"]["transformers"], report["tiny"]["chains"]
+    assert hf["ms_per_token"] > 0 and chain["ms_per_token"] > 0
+    assert chain["ids"] == hf["ids"]  # the same greedy tokens
+    first, last = chain["breakdown_us"]["0:4"], chain["breakdown_us"]["4:8"]
+    assert first["model"] > 0 and last["model"] > 0 and last["sample"] > 0
+    assert "3. where a step's time goes" in proc.stdout
+
+
+def test_gpu_check_parses_its_arguments_and_dry_runs():
+    """It cannot run here (no GPU); its syntax, arguments and steps can be checked."""
+    script = str(ROOT / "scripts" / "gpu_check.sh")
+    assert subprocess.run(["bash", "-n", script], capture_output=True).returncode == 0
+    dry = subprocess.run([script, "--dry-run", "--model", "/tmp/nowhere"], capture_output=True, text=True, timeout=30)
+    assert dry.returncode == 0, dry.stderr
+    assert "--device cuda --test-dtype bfloat16 --test-model /tmp/nowhere" in dry.stdout
+    assert "all steps passed (dry run" in dry.stdout
+    bad = subprocess.run([script, "--no-such-flag"], capture_output=True, text=True, timeout=30)
+    assert bad.returncode == 2 and "unknown argument" in bad.stderr

@@ -1,4 +1,5 @@
 from stagemesh.v1 import tensor_pb2 as _tensor_pb2
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Mapping as _Mapping
@@ -107,7 +108,14 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StageInfo(_message.Message):
-    __slots__ = ("model", "family", "layer_start", "layer_end", "num_layers", "is_first", "is_last", "dtype", "device", "hidden_size", "vocab_size", "max_position", "weight_bytes", "peak_rss_bytes", "open_sessions", "kv_used_bytes", "kv_capacity_bytes", "queued_steps", "step_ms", "load_s", "max_batch_tokens", "fingerprint", "kv_block_size", "kv_blocks_used", "kv_blocks_total", "kv_preemptions")
+    __slots__ = ("model", "family", "layer_start", "layer_end", "num_layers", "is_first", "is_last", "dtype", "device", "hidden_size", "vocab_size", "max_position", "weight_bytes", "peak_rss_bytes", "open_sessions", "kv_used_bytes", "kv_capacity_bytes", "queued_steps", "step_ms", "load_s", "max_batch_tokens", "fingerprint", "kv_block_size", "kv_blocks_used", "kv_blocks_total", "kv_preemptions", "decode_phase_seconds", "decode_steps")
+    class DecodePhaseSecondsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     MODEL_FIELD_NUMBER: _ClassVar[int]
     FAMILY_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
@@ -134,6 +142,8 @@ class StageInfo(_message.Message):
     KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     KV_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_PHASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_STEPS_FIELD_NUMBER: _ClassVar[int]
     model: str
     family: str
     layer_start: int
@@ -160,4 +170,6 @@ class StageInfo(_message.Message):
     kv_blocks_used: int
     kv_blocks_total: int
     kv_preemptions: int
-    def __init__(self, model: _Optional[str] = ..., family: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_layers: _Optional[int] = ..., is_first: _Optional[bool] = ..., is_last: _Optional[bool] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_position: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., peak_rss_bytes: _Optional[int] = ..., open_sessions: _Optional[int] = ..., kv_used_bytes: _Optional[int] = ..., kv_capacity_bytes: _Optional[int] = ..., queued_steps: _Optional[int] = ..., step_ms: _Optional[float] = ..., load_s: _Optional[float] = ..., max_batch_tokens: _Optional[int] = ..., fingerprint: _Optional[str] = ..., kv_block_size: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_preemptions: _Optional[int] = ...) -> None: ...
+    decode_phase_seconds: _containers.ScalarMap[str, float]
+    decode_steps: int
+    def __init__(self, model: _Optional[str] = ..., family: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_layers: _Optional[int] = ..., is_first: _Optional[bool] = ..., is_last: _Optional[bool] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_position: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., peak_rss_bytes: _Optional[int] = ..., open_sessions: _Optional[int] = ..., kv_used_bytes: _Optional[int] = ..., kv_capacity_bytes: _Optional[int] = ..., queued_steps: _Optional[int] = ..., step_ms: _Optional[float] = ..., load_s: _Optional[float] = ..., max_batch_tokens: _Optional[int] = ..., fingerprint: _Optional[str] = ..., kv_block_size: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_preemptions: _Optional[int] = ..., decode_phase_seconds: _Optional[_Mapping[str, float]] = ..., decode_steps: _Optional[int] = ...) -> None: ...
