@@ -97,8 +97,8 @@ class StageConfig:
     threads: int | None = None
     """torch intra-op threads (default: torch's choice)."""
     registry: str | None = None
-    """local://HOST:PORT, consul://HOST:PORT or consul+https://HOST:PORT: announce this stage there (needed
-    without --layers)."""
+    """local://HOST:PORT, consul://HOST:PORT, consul+https://HOST:PORT, etcd://HOST:PORT[,HOST:PORT...] or
+    etcd+https://...: announce this stage there (needed without --layers)."""
     tls: str | None = None
     """A directory with ca.pem, mesh.pem and mesh-key.pem (`stagemesh certs`): serve mutual TLS (callers need a
     certificate from that CA) and reach the registry with it (default: plaintext)."""
