@@ -53,8 +53,10 @@ def all_logits(model_dir: str, lever: str, ids: list[int]) -> torch.Tensor:
     n = AutoConfig.from_pretrained(model_dir).num_hidden_layers
     halves = [quantize(load_stage(model_dir, a, b, dtype=tdtype), how) for a, b in ((0, n // 2), (n // 2, n))]
     x = torch.tensor(ids)
-    caches = [KVPool(1 << 34, len(m.layers), m.args.num_kv_heads, m.args.head_dim, tdtype).allocate(len(ids))
-              for m in halves]
+    pools = [KVPool(1 << 30, len(m.layers), m.args.num_kv_heads, m.args.head_dim, tdtype) for m in halves]
+    caches = [p.allocate(len(ids)) for p in pools]
+    for p, c in zip(pools, caches, strict=True):
+        p.grow(c, len(ids))  # the blocks of every position, taken up front
     hidden = halves[0](x, [StepSlice(caches[0], 0, 0, len(ids))])
     hidden = tensor_codec.decode(tensor_codec.encode_hidden(hidden, wire))
     # The last stage returns the last position's logits only; ask it for each position in turn.
