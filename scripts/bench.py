@@ -487,7 +487,7 @@ def run_mesh(model: str, stages: int, replicas: int, args: argparse.Namespace, p
     log_dir.mkdir(parents=True, exist_ok=True)
     mesh, router = start_local_mesh(model, stages=stages, replicas=replicas, router_port=0, dtype=args.dtype,
                                     threads=args.stage_threads, prefill_chunk=args.prefill_chunk,
-                                    extra_stage_args=stage_args, log_dir=log_dir)
+                                    extra_stage_args=stage_args, extra_router_args=args.router_arg, log_dir=log_dir)
     try:
         print(f"  {result.system}: up in {time.perf_counter() - started:.0f}s", flush=True)
         if replicas == 1:  # one stream uses one chain: a replica changes nothing there
@@ -666,6 +666,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="torch threads per stage process (default: the CPUs shared among the mesh's stages)")
     p.add_argument("--stage-arg", action="append", default=[], metavar="FLAG",
                    help="a flag for every stage, e.g. --stage-arg=--compile (repeatable)")
+    p.add_argument("--router-arg", action="append", default=[], metavar="FLAG",
+                   help="a flag for the router, e.g. --router-arg=--no-forwarding (repeatable)")
     p.add_argument("--prefill-chunk", type=int, default=256, help="the router's pipelined prefill chunk")
     p.add_argument("--stages", type=ints, help="override: stages per chain, e.g. 1,2,4")
     p.add_argument("--replicas", type=ints, help="override: chains, e.g. 1,2")
@@ -713,7 +715,7 @@ def run_benchmark(args: argparse.Namespace) -> None:
     w = make_workload(plan, config.vocab_size, config.max_position_embeddings)
     params, bytes_per_token = weight_bytes_per_token(model, args.dtype)
     args.out.mkdir(parents=True, exist_ok=True)
-    meta = {"model": model, "dtype": args.dtype, "device": args.device, "stage_args": args.stage_arg,
+    meta = {"model": model, "dtype": args.dtype, "device": args.device, "stage_args": args.stage_arg, "router_args": args.router_arg,
             "threads": args.threads, "cpus": os.cpu_count(),
             "quick": args.quick, "parameters": params, "weight_bytes_per_token": bytes_per_token,
             "prefill_chunk": args.prefill_chunk, "plan": asdict(plan), "platform": platform.platform(),

@@ -172,6 +172,9 @@ class StepBatcher:
                 await asyncio.sleep(self.config.batch_window_ms / 1000)
             self.wakeup.clear()
             while self.queue:
+                # One turn of the loop first: steps that arrive together (a Relay stream's next messages,
+                # read one at a time) join this pass instead of each running alone, inline, ahead of them.
+                await asyncio.sleep(0)
                 batch = [r for r in self._take_batch() if not r.future.done()]
                 if not batch:
                     continue
