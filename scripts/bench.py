@@ -715,7 +715,8 @@ def run_benchmark(args: argparse.Namespace) -> None:
     w = make_workload(plan, config.vocab_size, config.max_position_embeddings)
     params, bytes_per_token = weight_bytes_per_token(model, args.dtype)
     args.out.mkdir(parents=True, exist_ok=True)
-    meta = {"model": model, "dtype": args.dtype, "device": args.device, "stage_args": args.stage_arg, "router_args": args.router_arg,
+    meta = {"model": model, "dtype": args.dtype, "device": args.device, "stage_args": args.stage_arg,
+            "router_args": args.router_arg,
             "threads": args.threads, "cpus": os.cpu_count(),
             "quick": args.quick, "parameters": params, "weight_bytes_per_token": bytes_per_token,
             "prefill_chunk": args.prefill_chunk, "plan": asdict(plan), "platform": platform.platform(),
