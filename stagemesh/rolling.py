@@ -21,6 +21,10 @@ from stagemesh.config_flags import refused
 from stagemesh.supervisor import read_state
 
 DRAIN_MARGIN_S = 30.0
+SETTLE_S = 3.0
+"""Before a stage is taken down, the router must have seen every chain usable for this long without a break:
+right after a replacement the scheduler may still be re-planning (withdrawing and re-publishing chains), and a
+stage taken down then could be one of the last chain's."""
 """On top of the mesh's drain timeout: a stage still running after both is killed."""
 
 
@@ -85,6 +89,20 @@ def _wait_for(check: Callable[[], object], timeout_s: float, what: str, interval
         time.sleep(interval_s)
 
 
+def _wait_settled(check: Callable[[], bool], timeout_s: float, what: str, interval_s: float = 0.2) -> None:
+    """Returns once check() has held for SETTLE_S in a row (polled); RollError naming what did not happen."""
+    since: list[float] = []
+
+    def held() -> bool:
+        if not check():
+            since.clear()
+            return False
+        since[:] = since or [time.monotonic()]
+        return time.monotonic() - since[0] >= SETTLE_S
+
+    _wait_for(held, timeout_s, what, interval_s)
+
+
 def roll_stages(mesh: str | Path, timeout_s: float = 180.0, say: Callable[[str], None] = print) -> list[Rolled]:
     """Restarts every stage of the supervised mesh whose state is at `mesh` (log dir or mesh.json), one by
     one; returns what was replaced. Raises RollError (leaving the rest untouched) when one does not come back."""
@@ -111,6 +129,8 @@ def _current(mesh: str | Path, name: str) -> dict:
 
 def _roll_one(mesh: str | Path, name: str, router: str, chains: int, drain_s: float, timeout_s: float,
               say: Callable[[str], None]) -> Rolled:
+    _wait_settled(lambda: len(usable_chains(router) or []) >= chains, timeout_s,
+                  f"{name}: the router did not see {chains} usable chain(s), settled, before the stage was taken down")
     old = _current(mesh, name)
     t0 = time.monotonic()
     say(f"{name}: SIGTERM to pid {old['pid']} ({old['address']}): it drains for up to {drain_s:g}s")

@@ -180,7 +180,8 @@ def pm3(tiny_model, tmp_path_factory):
     previous stage both dial: a fault of the link is a fault of the forwarding link too."""
     mesh = FaultMesh(str(tiny_model), tmp_path_factory.mktemp("fwd-fault-logs"), stages=3, num_layers=8,
                      stage_args=("--kv-cache-gb", "0.02", "--stall-timeout-s", "5", "--drain-timeout-s", "1"),
-                     router_args=("--health-interval-s", "0.2", "--step-timeout-s", "2", "--max-full-wait-s", "5"))
+                     router_args=("--forwarding", "--health-interval-s", "0.2", "--step-timeout-s", "2",
+                                  "--max-full-wait-s", "5"))
     yield mesh
     mesh.stop()
 

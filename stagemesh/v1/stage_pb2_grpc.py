@@ -31,8 +31,8 @@ class StageStub:
     the LM head and sampling. Routers (and tests) drive it one step at a time.
 
     Two data paths. Relay (a session opened without next_address): every step goes router -> stage
-    -> router, and the router carries hidden states from stage to stage. Forwarding (the default of
-    routers): the router opens every stage's session naming its next stage (next_address) and a hop
+    -> router, and the router carries hidden states from stage to stage. Forwarding (routers'
+    --forwarding): the router opens every stage's session naming its next stage (next_address) and a hop
     key; it sends token ids to the first stage only, each stage sends its output hidden states
     straight to the next over Relay (one long-lived stream per neighbour, many sessions on it), and
     the last stage answers the sampled token on the router's own Forward stream to it, which the
@@ -86,8 +86,8 @@ class StageServicer:
     the LM head and sampling. Routers (and tests) drive it one step at a time.
 
     Two data paths. Relay (a session opened without next_address): every step goes router -> stage
-    -> router, and the router carries hidden states from stage to stage. Forwarding (the default of
-    routers): the router opens every stage's session naming its next stage (next_address) and a hop
+    -> router, and the router carries hidden states from stage to stage. Forwarding (routers'
+    --forwarding): the router opens every stage's session naming its next stage (next_address) and a hop
     key; it sends token ids to the first stage only, each stage sends its output hidden states
     straight to the next over Relay (one long-lived stream per neighbour, many sessions on it), and
     the last stage answers the sampled token on the router's own Forward stream to it, which the
@@ -192,8 +192,8 @@ class Stage:
     the LM head and sampling. Routers (and tests) drive it one step at a time.
 
     Two data paths. Relay (a session opened without next_address): every step goes router -> stage
-    -> router, and the router carries hidden states from stage to stage. Forwarding (the default of
-    routers): the router opens every stage's session naming its next stage (next_address) and a hop
+    -> router, and the router carries hidden states from stage to stage. Forwarding (routers'
+    --forwarding): the router opens every stage's session naming its next stage (next_address) and a hop
     key; it sends token ids to the first stage only, each stage sends its output hidden states
     straight to the next over Relay (one long-lived stream per neighbour, many sessions on it), and
     the last stage answers the sampled token on the router's own Forward stream to it, which the
