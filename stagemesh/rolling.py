@@ -91,14 +91,15 @@ def _wait_for(check: Callable[[], object], timeout_s: float, what: str, interval
 
 def _wait_settled(check: Callable[[], bool], timeout_s: float, what: str, interval_s: float = 0.2) -> None:
     """Returns once check() has held for SETTLE_S in a row (polled); RollError naming what did not happen."""
-    since: list[float] = []
+    since: float | None = None
 
     def held() -> bool:
+        nonlocal since
         if not check():
-            since.clear()
+            since = None
             return False
-        since[:] = since or [time.monotonic()]
-        return time.monotonic() - since[0] >= SETTLE_S
+        since = since or time.monotonic()
+        return time.monotonic() - since >= SETTLE_S
 
     _wait_for(held, timeout_s, what, interval_s)
 

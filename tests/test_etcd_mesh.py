@@ -39,17 +39,14 @@ class EtcdControlPlane(ControlPlane):
         self.url = self.cluster.url
         return self
 
-    async def stop(self) -> None:
-        for close in self.closers:
-            await close()
-        if getattr(self, "router", None):
-            await self.router.stop(0)
-        for _, task in self.schedulers:
+    async def stop_registration(self, registration) -> None:
+        """Its tasks cancelled, not deregistered: the cluster may have lost quorum, and etcd drops the
+        stage's leases itself."""
+        for task in registration._tasks:
             task.cancel()
-        for server, registration in self.stages:
-            for task in registration._tasks:
-                task.cancel()
-            await server.stop(0)
+
+    async def stop_registry(self) -> None:
+        """Nothing: the test's cluster fixture stops etcd."""
 
 
 class Streams:

@@ -76,8 +76,14 @@ class ControlPlane:
         for _, task in self.schedulers:
             task.cancel()
         for server, registration in self.stages:
-            await registration.stop()
+            await self.stop_registration(registration)
             await server.stop(0)
+        await self.stop_registry()
+
+    async def stop_registration(self, registration) -> None:
+        await registration.stop()
+
+    async def stop_registry(self) -> None:
         await self.registry_server.stop(0)
 
 
