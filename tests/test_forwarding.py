@@ -6,6 +6,7 @@ session, and no one but the chosen neighbour steps a forwarded session."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import grpc
 import pytest
@@ -28,6 +29,19 @@ LAYOUTS = {2: splits(3, 5), 3: splits(2, 3, 3)}
 
 def open_sessions(mesh) -> int:
     return sum(len(s.sessions) for s in mesh.all_stages())
+
+
+@contextlib.asynccontextmanager
+async def one_chain(tiny_model, n_stages: int):
+    """A mesh of one chain of n_stages stage servers (no router) and the router's Chain of it; closed after."""
+    mesh = await start_mesh(tiny_model, [LAYOUTS[n_stages]], router=False)
+    chain = Chain([StageEndpoint(s.address) for s in mesh.stages[0]])
+    try:
+        yield mesh, chain
+    finally:
+        for stage in chain.stages:
+            await stage.close()
+        await mesh.stop()
 
 
 async def until_empty(mesh) -> None:
@@ -60,9 +74,7 @@ async def test_streams_equal_transformers_with_chunked_prefill_and_batching(tiny
 
 
 async def test_forwarded_logits_match_transformers_within_1e_4(tiny_model, hf_models):
-    mesh = await start_mesh(tiny_model, [LAYOUTS[3]], router=False)
-    chain = Chain([StageEndpoint(s.address) for s in mesh.stages[0]])
-    try:
+    async with one_chain(tiny_model, 3) as (mesh, chain):
         ids = prompt(23, seed=5)
         logits, tokens = [], list(ids)
         async with ForwardingSession(chain, 64, "fwd-logits") as session:
@@ -77,17 +89,11 @@ async def test_forwarded_logits_match_transformers_within_1e_4(tiny_model, hf_mo
         for k, got in enumerate(logits):
             torch.testing.assert_close(got, ref[len(ids) - 1 + k], atol=1e-4, rtol=0)
         await until_empty(mesh)
-    finally:
-        for stage in chain.stages:
-            await stage.close()
-        await mesh.stop()
 
 
 async def test_an_outsider_cannot_step_follow_or_close_a_forwarded_session(tiny_model, hf_models):
-    mesh = await start_mesh(tiny_model, [LAYOUTS[2]], router=False)
-    chain = Chain([StageEndpoint(s.address) for s in mesh.stages[0]])
     ids = prompt(9, seed=6)
-    try:
+    async with one_chain(tiny_model, 2) as (mesh, chain):
         async with ForwardingSession(chain, 64, "owned") as session:
             tokens = [(await session.step(ids, sampling=Sampling())).token_id]
             outsider = other_connection(chain.stages[1].address)
@@ -112,17 +118,11 @@ async def test_an_outsider_cannot_step_follow_or_close_a_forwarded_session(tiny_
                 tokens.append((await session.step(tokens[-1:], sampling=Sampling())).token_id)
         assert tokens == hf_greedy(hf_models["llama"], ids, 6)
         await until_empty(mesh)
-    finally:
-        await chain.stages[0].close()
-        await chain.stages[1].close()
-        await mesh.stop()
 
 
 async def test_an_ill_formed_relay_message_gets_a_clear_status_and_costs_only_its_session(tiny_model, hf_models):
-    mesh = await start_mesh(tiny_model, [LAYOUTS[2]], router=False)
-    chain = Chain([StageEndpoint(s.address) for s in mesh.stages[0]])
     ids = prompt(9, seed=7)
-    try:
+    async with one_chain(tiny_model, 2) as (mesh, chain):
         async with (ForwardingSession(chain, 64, "victim") as victim,
                     ForwardingSession(chain, 64, "bystander") as bystander):
             tokens = [(await bystander.step(ids, sampling=Sampling())).token_id]
@@ -147,18 +147,12 @@ async def test_an_ill_formed_relay_message_gets_a_clear_status_and_costs_only_it
                 tokens.append((await bystander.step(tokens[-1:], sampling=Sampling())).token_id)
         assert tokens == hf_greedy(hf_models["llama"], ids, 6)
         await until_empty(mesh)
-    finally:
-        await chain.stages[0].close()
-        await chain.stages[1].close()
-        await mesh.stop()
 
 
 async def test_a_dead_next_stage_fails_the_sessions_it_carried_naming_it(tiny_model):
     """The second of three stages stops (its port closes): the router hears UNAVAILABLE naming it, and
     no stage keeps a session."""
-    mesh = await start_mesh(tiny_model, [LAYOUTS[3]], router=False)
-    chain = Chain([StageEndpoint(s.address) for s in mesh.stages[0]])
-    try:
+    async with one_chain(tiny_model, 3) as (mesh, chain):
         async with ForwardingSession(chain, 64, "doomed") as session:
             token = (await session.step(prompt(9, seed=8), sampling=Sampling())).token_id
             await mesh.stages[0][1].stop(0)
@@ -168,10 +162,6 @@ async def test_a_dead_next_stage_fails_the_sessions_it_carried_naming_it(tiny_mo
             assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
             assert mesh.stages[0][1].address in failed.value.details()
         await until_empty(mesh)
-    finally:
-        for stage in chain.stages:
-            await stage.close()
-        await mesh.stop()
 
 
 @pytest.fixture(scope="module")
