@@ -17,7 +17,6 @@ import grpc
 
 from stage_server.sampling import Sampling
 from stagemesh import grpc_server, metrics
-from stagemesh.errors import StatusError
 from stagemesh.tls import Tls
 from stagemesh.v1 import stage_pb2, stage_pb2_grpc
 
@@ -72,48 +71,74 @@ Refused = Callable[[str, stage_pb2.RelayStatus], None]
 """(next address, the next stage's answer): a relayed step it did not take."""
 
 
+CLOSED = "the link was closed (this stage stopped or swapped its slice)"
+
+
 class Link:
-    """One Relay stream to a next stage; `sessions` are those it carried (kept until it breaks)."""
+    """One Relay stream to a next stage; `sessions` are those it carried (kept until it breaks).
+
+    The link's own writer task does every write, in the order sent: a session's task only queues its step.
+    A write is never cancelled with the task of the session it carries (the session's router ended its stream,
+    the stream it came on ended): grpc.aio cancels the whole call when a write is cancelled, and that ended the
+    link for every session of every chain on it (issue 12's mid-roll failure)."""
 
     def __init__(self, address: str, stub: stage_pb2_grpc.StageStub, on_broken: LinkBroken, on_refused: Refused):
         self.address = address
         self.call = stub.Relay()
         self.sessions: set[str] = set()
         self.broken = False
-        self._write_lock = asyncio.Lock()
+        self.why = ""
+        """Why this stage ended the link ("": it did not, the call ended on its own)."""
+        self._outbox: asyncio.Queue[stage_pb2.ForwardRequest] = asyncio.Queue()
         self._on_broken = on_broken
         self._on_refused = on_refused
-        self._reader = asyncio.get_running_loop().create_task(self._read(), name=f"relay-from-{address}")
+        loop = asyncio.get_running_loop()
+        self._writer = loop.create_task(self._write(), name=f"relay-to-{address}")
+        self._reader = loop.create_task(self._read(), name=f"relay-from-{address}")
 
-    async def send(self, request: stage_pb2.ForwardRequest) -> None:
+    def send(self, request: stage_pb2.ForwardRequest) -> None:
+        """Queues a step for the next stage; a link that breaks before it is written fails its session."""
         self.sessions.add(request.session_id)
-        metrics.WIRE_BYTES.labels("out").inc(request.ByteSize())
-        try:
-            async with self._write_lock:  # one write at a time on a stream
+        self._outbox.put_nowait(request)
+
+    async def _write(self) -> None:
+        wire_out = metrics.WIRE_BYTES.labels("out")
+        while True:
+            request = await self._outbox.get()
+            wire_out.inc(request.ByteSize())
+            try:
                 await self.call.write(request)
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError) as exc:
-            self.call.cancel()  # the reader sees the end and fails what the link carried
-            raise StatusError(grpc.StatusCode.UNAVAILABLE,
-                              f"next stage {self.address} unreachable: the link to it broke ({type(exc).__name__})"
-                              ) from None
+            except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError) as exc:
+                self.end(f"a write failed ({type(exc).__name__})")  # the reader sees the end, fails what it carried
+                return
 
     async def _read(self) -> None:
         code, details = grpc.StatusCode.UNAVAILABLE, "the link ended"
         try:
             async for status in self.call:
                 self._on_refused(self.address, status)
-            code, details = grpc.StatusCode.UNAVAILABLE, "it ended the link"
+            details = "it ended the link"
         except grpc.aio.AioRpcError as exc:
-            code, details = grpc.StatusCode.UNAVAILABLE, f"{exc.code().name}: {exc.details()}"
-        except asyncio.CancelledError:
-            details = "the link was closed"
+            details = f"{exc.code().name}: {exc.details()}"
+        except asyncio.CancelledError:  # this stage cancelled the call (self.why says why), or the task
+            details = self.why or "the link was closed"
             raise
         finally:
             self.broken = True
+            self._writer.cancel()
+            log.log(logging.INFO if self.why == CLOSED else logging.WARNING,
+                    f"link to the next stage {self.address} ended: {details} ({len(self.sessions)} session(s) it "
+                    f"carried, {self._outbox.qsize()} step(s) unsent)")
             self._on_broken(self.address, self.sessions, code, details)
 
-    def close(self) -> None:
+    def end(self, why: str) -> None:
+        """Ends the link from this side (the reader then fails what it carried)."""
+        self.why = self.why or why
         self.call.cancel()
+
+    def close(self) -> None:
+        self.end(CLOSED)
+        self._writer.cancel()
         self._reader.cancel()
 
 
@@ -137,8 +162,8 @@ class Links:
                                               self.on_refused)
         return link
 
-    async def send(self, address: str, request: stage_pb2.ForwardRequest) -> None:
-        await self.link(address).send(request)
+    def send(self, address: str, request: stage_pb2.ForwardRequest) -> None:
+        self.link(address).send(request)
 
     def forget(self, open_sessions: dict) -> None:
         """Drops closed sessions from the links' sets (called now and then, so the sets stay small)."""

@@ -161,7 +161,7 @@ class StageService(stage_pb2_grpc.StageServicer):
                 elif session.route.forwards:
                     _WIRE_IN.inc(request.ByteSize())
                     result, decode = await self._run(request, session)
-                    await self._send_on(session, request, result, decode)
+                    self._send_on(session, request, result, decode)
                 else:
                     feed.put_nowait(await self._answer(request, session))
                 request = await anext(requests, None)
@@ -200,7 +200,7 @@ class StageService(stage_pb2_grpc.StageServicer):
             tensor_codec.encode_into(response.logits, result.logits)
         return response
 
-    async def _send_on(self, session: Session, request: stage_pb2.ForwardRequest, result: StepResult,
+    def _send_on(self, session: Session, request: stage_pb2.ForwardRequest, result: StepResult,
                        decode: bool) -> None:
         """A forwarding session's output, to its next stage (sent once per step, with the step's flags)."""
         t0 = time.perf_counter()
@@ -209,7 +209,7 @@ class StageService(stage_pb2_grpc.StageServicer):
                                           skip_sample=request.skip_sample, return_logits=request.return_logits)
         tensor_codec.encode_hidden_into(onward.hidden, result.hidden, request.wire_dtype or route.wire_dtype)
         self.batcher.timing.since("encode", t0, decode)
-        await self.links.send(route.next_address, onward)
+        self.links.send(route.next_address, onward)
 
     async def Relay(self, request_iterator, context):
         carried: set[str] = set()
@@ -261,7 +261,7 @@ class StageService(stage_pb2_grpc.StageServicer):
                     return
                 result, decode = await self._run(request, session, inputs, time.perf_counter() - decode_s)
                 if route.forwards:
-                    await self._send_on(session, request, result, decode)
+                    self._send_on(session, request, result, decode)
                 elif result.token_id is not None or result.logits is not None:
                     t0 = time.perf_counter()
                     response = self._response(session, result)

@@ -38,6 +38,8 @@ class LinkProxy:
         self.host, self.port = host, port
         self.faults = LinkFaults()
         self.connections = 0
+        self.bytes_in = 0
+        """Bytes read from clients so far (toward the server: forwarded, or held by a delay or a black hole)."""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"link-proxy-{target}", daemon=True)
         self._server: asyncio.AbstractServer | None = None
@@ -101,14 +103,16 @@ class LinkProxy:
             return
         self.connections += 1
         self._writers.update((writer, up_writer))
-        await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer))
+        await asyncio.gather(self._pipe(reader, up_writer, inbound=True), self._pipe(up_reader, writer))
 
-    async def _pipe(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+    async def _pipe(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, inbound: bool = False) -> None:
         """Forwards one direction, each chunk released at (arrival + delay), in order."""
         queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
         sender = asyncio.get_running_loop().create_task(self._send(queue, dst))
         try:
             while data := await src.read(CHUNK):
+                if inbound:
+                    self.bytes_in += len(data)
                 queue.put_nowait((time.monotonic(), data))
         except (ConnectionError, OSError):
             pass

@@ -17,6 +17,7 @@ from router.forwarding import ForwardingSession
 from router.generation import GenerationConfig
 from stagemesh import tensor_codec
 from stagemesh.fault_mesh import FaultMesh
+from stagemesh.link_proxy import LinkProxy
 from stagemesh.v1 import router_pb2, stage_pb2
 from tests.conftest import collect, hf_greedy, splits, start_mesh
 from tests.test_exactness import prompt
@@ -161,6 +162,56 @@ async def test_a_dead_next_stage_fails_the_sessions_it_carried_naming_it(tiny_mo
                     token = (await session.step([token], sampling=Sampling())).token_id
             assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
             assert mesh.stages[0][1].address in failed.value.details()
+        await until_empty(mesh)
+
+
+async def test_sessions_ended_mid_send_leave_the_link_they_shared_up(tiny_model, hf_models):
+    """Issue 12's mid-roll failure. Sessions whose router ends their streams (done, failover, caller gone)
+    while their stage is still writing a step onto the Relay link to the next stage: the write was
+    cancelled with the session's task, and grpc.aio cancels the whole call when a write is cancelled, so
+    every other session on that link failed too, between two healthy stages. Here the link to the next
+    stage is held (a black hole) with more hidden states on it than HTTP/2's windows let through (4 prefills
+    of 1.8 MB): when the sessions end, one of them is mid-write."""
+    ids, victims_n, long = prompt(9, seed=9), 4, prompt(1800, seed=10)
+    async with one_chain(tiny_model, 2) as (mesh, chain):
+        with LinkProxy(chain.stages[1].address) as link:
+            held = Chain([StageEndpoint(chain.stages[0].address), StageEndpoint(link.address)])
+            victims = [ForwardingSession(held, 2048, f"victim-{i}") for i in range(victims_n)]
+            try:
+                async with ForwardingSession(held, 64, "bystander") as bystander:
+                    for victim in victims:
+                        await victim.__aenter__()
+                    tokens = [(await bystander.step(ids, sampling=Sampling())).token_id]
+                    before = link.bytes_in
+                    link.set(black_hole=True)
+                    steps = [asyncio.create_task(v.step(long, sampling=Sampling())) for v in victims]
+                    first = mesh.stages[0][0].sessions
+                    seen = -1
+                    for _ in range(3000):  # until the first stage has run every prefill and its writes stall
+                        ran = all(first.sessions[v.session_id].cache.length == len(long) for v in victims)
+                        if ran and link.bytes_in == seen:
+                            break
+                        seen = link.bytes_in
+                        await asyncio.sleep(0.2 if ran else 0.01)
+                    assert 0 < link.bytes_in - before < victims_n * len(long) * 256 * 4, "nothing held mid-write"
+                    for step in steps:
+                        step.cancel()
+                    for victim in victims:
+                        await victim.close()  # their streams end: the first stage ends their sessions there
+                    for _ in range(500):
+                        if not any(v.session_id in first.sessions for v in victims):
+                            break
+                        await asyncio.sleep(0.01)
+                    await asyncio.sleep(0.1)  # a session's task is cancelled right after its session closes
+                    link.set()
+                    for _ in range(5):
+                        tokens.append((await bystander.step(tokens[-1:], sampling=Sampling())).token_id)
+            finally:
+                for victim in victims:
+                    await victim.close()
+                for stage in held.stages:
+                    await stage.close()
+        assert tokens == hf_greedy(hf_models["llama"], ids, 6)
         await until_empty(mesh)
 
 
