@@ -83,11 +83,10 @@ class GenerationConfig:
     step_timeout_s: float = 10.0
     """A stage that answers no step in this long (plus a margin scaled by its reported step time) is
     taken for hung: the stream moves to another chain."""
-    forwarding: bool = False
+    forwarding: bool = True
     """Stages send hidden states straight to the next stage and the last one sends the token back
-    (N + 1 one-way trips per token on N stages, where relay mode, the default, takes 2N through the router).
-    Opt-in for now: under a rolling update a forwarding link between two healthy stages was seen to end
-    unasked, costing its sessions a failover (README, The data path)."""
+    (N + 1 one-way trips per token on N stages); off (--no-forwarding): relay mode, every hop through the
+    router (2N trips, the router decodes and re-encodes every hidden state)."""
     max_full_wait_s: float = 30.0
     """When every chain is full, how long a request waits for room (retrying with backoff) before
     RESOURCE_EXHAUSTED; its deadline, if sooner, bounds the wait too."""

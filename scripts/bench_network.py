@@ -6,7 +6,7 @@ A chain of N stage processes (the tiny model, one thread each), each behind a li
 (stagemesh/link_proxy.py) that holds every chunk D ms each way. The router dials the proxies, and so do
 the stages (a stage is told its next stage's address as the router knows it): every link of the data
 path is delayed, stage to stage and last stage to router included. Two routers on the same chain, one in
-relay mode (the default), one forwarding (--forwarding), take turns. Per setting: the median inter-token gap of one
+relay mode (--no-forwarding), one forwarding (the default), take turns. Per setting: the median inter-token gap of one
 stream (decode only), the median over --repeats streams, against the models
 
     relay:      t0 + 2N·D   (router -> stage -> router, for each of N stages)
@@ -69,7 +69,7 @@ def measure_chain(model: str, layers: int, stages: int, delays_ms: list[float], 
         spec = ",".join(p.address for p in proxies)
         routers = {}
         for mode in MODES:
-            flags = ["--forwarding"] if mode == "forwarding" else []
+            flags = ["--forwarding"] if mode == "forwarding" else ["--no-forwarding"]
             proc = mesh.spawn(f"n{stages}-router-{mode}", ["--log-level", "warning", "router", "--model", model,
                                                            "--chain", spec, "--port", "0", *flags], stage_env(None))
             routers[mode] = proc.address

@@ -249,7 +249,7 @@ def measure(model: str, layers: int, step_ms: float, streams_list: list[int], to
     router, router_address = spawn([sys.executable, "-m", "stagemesh.cli", "--log-level", "warning", "router",
                                     "--model", model, "--chain", ",".join(address for _, address in spawned),
                                     "--port", "0", "--metrics-port", str(metrics_port), "--slots-per-chain", "100000",
-                                    *(["--forwarding"] if mode == "forwarding" else [])])
+                                    "--forwarding" if mode == "forwarding" else "--no-forwarding"])
 
     def one_run(streams: int) -> dict:
         collect_stage_samples(stage, dump_path)  # drop anything from before this run
@@ -312,7 +312,7 @@ def main() -> None:
                    help="the instant stage's mean step time per setting (0: answer at once)")
     p.add_argument("--stages", type=int, default=1, help="instant stages per chain")
     p.add_argument("--modes", default="forwarding",
-                   help="the router's data path per setting: forwarding, (--forwarding), relay (the default) or both")
+                   help="the router's data path per setting: forwarding (the default), relay (--no-forwarding) or both")
     p.add_argument("--repeats", type=int, default=3, help="runs per setting; the table shows their medians")
     p.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
     a = p.parse_args()
