@@ -166,6 +166,8 @@ class ChainSession:
         self._token_read_at: float | None = None  # when the last token came back, for TOKEN_TURNAROUND
         self._streams: list[grpc.aio.StreamStreamCall] = []
         self._opened: list[StageEndpoint] = []
+        self._answered: set[int] = set()
+        """Stages (by index) known to hold the session on its stream: they close it when the stream ends."""
 
     def _timeout(self) -> float | None:
         if self.deadline is None:
@@ -227,12 +229,15 @@ class ChainSession:
             # stream whose other side is stuck.
             call.cancel()
         self._streams.clear()
-        if self._opened:
-            # Belt and braces for a stage that missed the stream's end; never waited on, so a
-            # failover does not wait for the dead.
-            # The stubs as they are now: a channel closed meanwhile (a withdrawn chain) is not reopened.
-            _background(self._close_sessions([s.stub for s in self._opened]))
+        # Belt and braces for a stage that may have missed the stream's end (it never read from it); never
+        # waited on, so a failover does not wait for the dead. The stubs as they are now: a channel closed
+        # meanwhile (a withdrawn chain) is not reopened.
+        answered = {id(self.chain.stages[i]) for i in self._answered}
+        unsure = [s for s in self._opened if id(s) not in answered]
+        if unsure:
+            _background(self._close_sessions([s.stub for s in unsure]))
         self._opened.clear()
+        self._answered.clear()
 
     async def _close_sessions(self, stubs: list[stage_pb2_grpc.StageStub]) -> None:
         request = stage_pb2.CloseSessionRequest(session_id=self.session_id)
@@ -265,11 +270,12 @@ class ChainSession:
         stage = self.chain.stages[index]
         limit = self.progress.timeout(self.chain, tokens)
         try:
-            await asyncio.wait_for(call.write(request), limit)
-            if index == 0 and self._token_read_at is not None:
-                metrics.TOKEN_TURNAROUND.observe(time.perf_counter() - self._token_read_at)
-                self._token_read_at = None
-            response = await asyncio.wait_for(call.read(), limit)
+            async with asyncio.timeout(limit):  # one timer for the hop (no task per write or read, as wait_for)
+                await call.write(request)
+                if index == 0 and self._token_read_at is not None:
+                    metrics.TOKEN_TURNAROUND.observe(time.perf_counter() - self._token_read_at)
+                    self._token_read_at = None
+                response = await call.read()
         except asyncio.InvalidStateError:  # the stream had already ended: its status says why
             response = grpc.aio.EOF
         except TimeoutError:
@@ -282,6 +288,7 @@ class ChainSession:
             if code == grpc.StatusCode.OK:
                 code, details = grpc.StatusCode.UNAVAILABLE, "ended the stream"
             raise stage_error(code, stage, details)
+        self._answered.add(index)  # it holds the session on this stream: it closes there when the stream ends
         return response
 
     async def step(

@@ -80,22 +80,23 @@ class ForwardingSession(ChainSession):
         limit = self.progress.timeout(self.chain, len(token_ids))
         at = 0  # the stage whose stream is being written or read
         try:
-            # Every chunk at once: the first stage computes chunk k + 1 while the next computes chunk k.
-            for k in range(0, len(token_ids), size):
-                request = stage_pb2.ForwardRequest(session_id=self.session_id, start=start + k,
-                                                   token_ids=tensor_codec.encode_ids(token_ids[k: k + size]))
-                if k + size >= len(token_ids):
-                    request.return_logits = return_logits
-                    if sampling != self.sampling:
-                        request.sampling.CopyFrom(sampling.to_pb())
-                else:
-                    request.skip_sample = True
-                await asyncio.wait_for(first.write(request), limit)
-            if self._token_read_at is not None:
-                metrics.TOKEN_TURNAROUND.observe(time.perf_counter() - self._token_read_at)
-                self._token_read_at = None
-            at = len(self._streams) - 1
-            response = await asyncio.wait_for(last.read(), limit)
+            async with asyncio.timeout(limit):  # one timer for the step (no task per write or read, as wait_for)
+                # Every chunk at once: the first stage computes chunk k + 1 while the next computes chunk k.
+                for k in range(0, len(token_ids), size):
+                    request = stage_pb2.ForwardRequest(session_id=self.session_id, start=start + k,
+                                                       token_ids=tensor_codec.encode_ids(token_ids[k: k + size]))
+                    if k + size >= len(token_ids):
+                        request.return_logits = return_logits
+                        if sampling != self.sampling:
+                            request.sampling.CopyFrom(sampling.to_pb())
+                    else:
+                        request.skip_sample = True
+                    await first.write(request)
+                if self._token_read_at is not None:
+                    metrics.TOKEN_TURNAROUND.observe(time.perf_counter() - self._token_read_at)
+                    self._token_read_at = None
+                at = len(self._streams) - 1
+                response = await last.read()
         except (asyncio.InvalidStateError, grpc.aio.AioRpcError):  # a stream had ended: its status says why
             self._fault = at if self._fault is None else self._fault
             response = grpc.aio.EOF
@@ -114,8 +115,8 @@ class ForwardingSession(ChainSession):
             await self._raise_fault(self._fault)
         if response is grpc.aio.EOF:
             await self._raise_fault(len(self._streams) - 1)
+        self._answered.update((0, len(self._streams) - 1))  # both hold the session on the stream: it closes there
         return response
-
 
 
 def session_class(forwarding: bool, stages: int) -> type[ChainSession]:
