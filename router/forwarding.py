@@ -46,14 +46,17 @@ class ForwardingSession(ChainSession):
             call.add_done_callback(lambda done, i=index: self._stream_ended(i, done))
         follow = stage_pb2.ForwardRequest(session_id=self.session_id, follow=True)
         limit = self.progress.timeout(self.chain, 1)
-        for index, call in enumerate(self._streams[1:], start=1):
-            try:
-                await asyncio.wait_for(call.write(follow), limit)
-            except TimeoutError:
-                raise stage_error(grpc.StatusCode.UNAVAILABLE, self.chain.stages[index],
-                                   f"no progress on a follow in {limit:.1f}s: hung or unreachable") from None
-            except (asyncio.InvalidStateError, grpc.aio.AioRpcError):  # it ended already: its status says why
-                await self._raise_fault(index)
+        index = 0  # the stage being told to follow
+        try:
+            async with asyncio.timeout(limit):
+                while index < len(self._streams) - 1:
+                    index += 1
+                    await self._streams[index].write(follow)
+        except TimeoutError:
+            raise stage_error(grpc.StatusCode.UNAVAILABLE, self.chain.stages[index],
+                               f"no progress on a follow in {limit:.1f}s: hung or unreachable") from None
+        except (asyncio.InvalidStateError, grpc.aio.AioRpcError):  # it ended already: its status says why
+            await self._raise_fault(index)
 
     def _stream_ended(self, index: int, call: grpc.aio.StreamStreamCall) -> None:
         """A stage's stream ended: unless the router ended it, that is the session's fault there. The step
