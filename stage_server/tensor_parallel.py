@@ -160,24 +160,24 @@ def send_pass(group, inputs: torch.Tensor, steps: list[StepSlice], wire: torch.d
         meta += [st.offset, st.start, st.length, len(st.cache.blocks), *st.cache.blocks]
     header = torch.tensor([OP_PASS, inputs.shape[0], len(steps), inputs.dim() == 2, pool.num_blocks,
                            pool.block_size, len(meta), 0], dtype=torch.long, device=wire)
-    group.broadcast([header], 0).wait()
-    group.broadcast([torch.tensor(meta, dtype=torch.long, device=wire)], 0).wait()
-    group.broadcast([inputs.to(wire).contiguous()], 0).wait()
+    group.broadcast(header, 0).wait()
+    group.broadcast(torch.tensor(meta, dtype=torch.long, device=wire), 0).wait()
+    group.broadcast(inputs.to(wire).contiguous(), 0).wait()
 
 
 def receive_pass(group, model: nn.Module, pool: KVPool | None, wire: torch.device
                  ) -> tuple[torch.Tensor, list[StepSlice], KVPool]:
     """Another rank: the next pass's inputs and steps, over its own pool (made or remade to rank 0's size)."""
     header = torch.empty(HEADER, dtype=torch.long, device=wire)
-    group.broadcast([header], 0).wait()
+    group.broadcast(header, 0).wait()
     op, tokens, n_steps, hidden, num_blocks, block_size, meta_len, _ = header.tolist()
     if op != OP_PASS:
         raise RuntimeError(f"rank 0 sent op {op}, not a pass: the ranks are out of step")
     meta = torch.empty(meta_len, dtype=torch.long, device=wire)
-    group.broadcast([meta], 0).wait()
+    group.broadcast(meta, 0).wait()
     shape, dtype = ((tokens, model.args.hidden_size), model.dtype) if hidden else ((tokens,), torch.long)
     inputs = torch.empty(shape, dtype=dtype, device=wire)
-    group.broadcast([inputs], 0).wait()
+    group.broadcast(inputs, 0).wait()
     if pool is None or pool.num_blocks != num_blocks or pool.block_size != block_size:
         a = model.args
         block_bytes = 2 * len(model.layers) * a.num_kv_heads * block_size * a.head_dim * model.dtype.itemsize
