@@ -35,7 +35,7 @@ async def test_killed_rank_takes_its_stage_down_and_streams_fail_over(tiny_model
     mesh = LocalMesh(str(tiny_model), tmp_path)
     try:
         common = ["stage", "--model", str(tiny_model), "--layers", "0:8", "--port", "0", "--threads", "1",
-                  "--kv-cache-gb", "0.05"]
+                  "--kv-cache-gb", "0.05", "--drain-timeout-s", "1"]
         tp_stage = mesh.spawn("stage-tp", [*common, "--tp", "2"], stage_env(1))
         plain = mesh.spawn("stage-plain", common, stage_env(1))
         ranks = [c.pid for c in psutil.Process(tp_stage.pid).children()]
