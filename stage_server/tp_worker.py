@@ -17,6 +17,7 @@ import torch
 
 from stage_server.loader import load_stage
 from stage_server.tensor_parallel import WATCH_S, new_group, rank_device, receive_pass, shard_layers
+from stagemesh.log import setup_logging
 
 log = logging.getLogger("stagemesh.stage")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -49,12 +50,13 @@ def run(spec: dict) -> None:
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s tp-rank %(levelname)s %(message)s")
+    setup_logging()
     spec = json.loads(sys.argv[1])
     try:
         run(spec)
     except Exception as exc:  # rank 0 closed the group (it stopped or died), or this rank failed: either way, go
-        log.info(f"tensor-parallel rank {spec['rank']} exiting: {type(exc).__name__}: {exc}")
+        log.info(f"tensor-parallel rank {spec['rank']} exiting: {type(exc).__name__}: {exc}",
+                 extra={"stage": f"tp-rank-{spec['rank']}"})
         sys.exit(1)
 
 
