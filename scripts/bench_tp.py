@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from router.chain_client import Chain, ChainSession, Sampling, StageEndpoint  # noqa: E402
+from router.chain_client import Chain, ChainSession, Progress, Sampling, StageEndpoint  # noqa: E402
 from scripts.measure_memory import ensure_medium_model  # noqa: E402
 from stagemesh.launcher import LocalMesh, ensure_tiny_model, stage_env  # noqa: E402
 
@@ -36,7 +36,8 @@ async def one_round(address: str, prompt: list[int], decode: int) -> tuple[float
     """(prefill ms per prompt token, median decode ms per token) of one session on the stage."""
     chain = Chain([StageEndpoint(address)])
     try:
-        async with ChainSession(chain, max_length=len(prompt) + decode + 1, request_id="bench-tp") as session:
+        async with ChainSession(chain, max_length=len(prompt) + decode + 1, request_id="bench-tp",
+                                progress=Progress(floor_s=600.0)) as session:  # a slow prefill is no hang here
             t0 = time.perf_counter()
             response = await session.step(prompt, sampling=Sampling())
             prefill_ms = (time.perf_counter() - t0) * 1000 / len(prompt)
