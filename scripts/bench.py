@@ -5,6 +5,8 @@
     python scripts/bench.py --medium    # a ~270M Llama (made in models/llama-270m if absent): 1 and 2 stages,
                                         # 1 and 32 streams, ~22 min; --stages/--replicas/--levels widen it
     python scripts/bench.py --model DIR --dtype bfloat16 --threads 2 --out bench-out/
+    python scripts/bench.py --tp 2 --medium # the TP rows: a TP-2 stage beside one process with 2 threads
+                                        # (scripts/bench_tp.py), prefill and decode ms/token, ~3 min
 
 (a) is transformers' generate() in one process (a subprocess of this script, so its peak RSS is its own and
 its torch threads never share the cores with the mesh); (b) is a stagemesh started with start_local_mesh:
@@ -674,6 +676,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--levels", type=ints, help="override: concurrent streams, e.g. 1,4,16")
     p.add_argument("--repeats", type=int, help="override: runs per measurement")
     p.add_argument("--out", type=Path, default=Path("bench-out"))
+    p.add_argument("--tp", type=int, default=0, metavar="K",
+                   help="only the tensor-parallel rows: a TP-K stage beside one process with K threads")
     p.add_argument("--worker", choices=list(WORKERS), help=argparse.SUPPRESS)
     p.add_argument("--spec", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--result", type=Path, help=argparse.SUPPRESS)
@@ -699,6 +703,12 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, _stop_on_sigterm)
     signal.signal(signal.SIGINT, _stop_on_sigint)
     try:
+        if args.tp:
+            from scripts.bench_tp import run_tp_rows  # grpc and torch only for these rows, as resolve_model's
+
+            quick = {"rounds": 3, "prompt_tokens": 64, "decode": 8} if args.quick else {}
+            run_tp_rows(resolve_model(args), args.tp, device=args.device, dtype=args.dtype, out=args.out, **quick)
+            return
         run_benchmark(args)
     except KeyboardInterrupt:
         print("\ninterrupted; every stage, router and worker process was stopped", file=sys.stderr)

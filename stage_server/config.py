@@ -119,6 +119,11 @@ class StageConfig:
     """torch.compile (inductor) each layer's MLP and norms and the LM head, during the warm-up before SERVING
     (the time shows in the cold start); eager, logged once, if compilation fails (stage_server/compiled.py)."""
 
+    tp: int = 1
+    """Tensor-parallel ranks: the slice runs on this many processes of this host (one per CUDA device on a GPU
+    host), each with its share of the attention heads, KV heads and MLP columns; it must divide the model's
+    attention and KV heads. To routers and other stages the stage is still one stage."""
+
     def __post_init__(self) -> None:
         if self.dtype not in get_args(ServingDtype):
             raise ValueError(f"--dtype {self.dtype!r}: use one of {', '.join(get_args(ServingDtype))}")
@@ -166,4 +171,9 @@ class StageConfig:
             raise refused(self, "metrics_port", "must be 0..65535 (left out: no metrics)")
         if not self.speed > 0:
             raise refused(self, "speed", "must be > 0 (a relative speed; 1.0 is an ordinary host)")
+        if not 1 <= self.tp <= 64:
+            raise refused(self, "tp", "must be 1..64 ranks (1: no tensor parallelism; it must divide the model's "
+                                      "attention and KV heads)")
+        if self.tp > 1 and (self.quantize != "none" or self.compile):
+            raise refused(self, "tp", "is not supported with --quantize or --compile yet; leave those out")
         self.model_name = self.model_name or Path(self.model).name

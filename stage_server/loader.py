@@ -14,6 +14,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from stage_server.model import StageModel
 from stage_server.quantize import int8_rows, int8_weight_only
+from stage_server.tensor_parallel import rank_args, shard_of
 from stagemesh.checkpoint import ModelArgs, is_linear_weight, stage_sources, weight_files
 
 # Rope variants whose frequencies do not change with the sequence length.
@@ -38,20 +39,26 @@ def rope_inv_freq(config) -> tuple[torch.Tensor, float]:
     return ROPE_INIT_FUNCTIONS[rope_type](config)
 
 
-def _copy_rows(dest: torch.Tensor, path: Path, name: str) -> int:
-    """Copies checkpoint tensor `name` into the first rows of dest (converting dtype, device and
-    layout on the way) and returns how many rows it has. It goes ~16 MiB at a time, each piece
-    of the file mapped only while it is copied, so that the file's pages do not pile up in this
-    process's memory next to the copy."""
+def _copy_rows(dest: torch.Tensor, path: Path, name: str, part: tuple[slice, slice] | None = None) -> int:
+    """Copies checkpoint tensor `name` (or only its rows and columns `part`: a tensor-parallel rank's
+    shard) into the first rows of dest (converting dtype, device and layout on the way) and returns how
+    many rows it copied. It goes ~16 MiB at a time, each piece of the file mapped only while it is
+    copied, so that the file's pages do not pile up in this process's memory next to the copy."""
     with safe_open(str(path), framework="pt", device="cpu") as f:
         shape = f.get_slice(name).get_shape()
+    rows_of, cols = part or (slice(None), slice(None))
+    if shape:  # the shape of what is copied
+        shape = [len(range(*rows_of.indices(shape[0]))), *([len(range(*cols.indices(shape[1])))] if shape[1:] else []),
+                 *shape[2:]]
     if not shape or shape[0] > dest.shape[0] or shape[1:] != list(dest.shape[1:]):
         raise ValueError(f"checkpoint tensor {name} has shape {shape}; expected rows of {list(dest.shape[1:])}")
-    n = shape[0]
+    n, first = shape[0], rows_of.start or 0
     slab = max(1, (16 << 20) // (dest[0].numel() * dest.element_size()))
     for r in range(0, n, slab):
         with safe_open(str(path), framework="pt", device="cpu") as f:
-            piece, rows = f.get_slice(name)[r : r + slab], dest[r : min(n, r + slab)]
+            rows_read = slice(first + r, first + min(n, r + slab))
+            piece = f.get_slice(name)[(rows_read, cols) if len(shape) > 1 else rows_read]
+            rows = dest[r : min(n, r + slab)]
             if rows.dim() == 2 and rows.stride(0) == 1:  # column-major: copy whole rows of memory
                 rows.t().copy_(piece.t().contiguous())
             else:
@@ -67,13 +74,16 @@ def load_stage(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     int8_linears: bool = False,
+    tp: tuple[int, int] = (0, 1),
 ) -> StageModel:
     """Builds the slice and reads only its own tensors from the checkpoint. With int8_linears every
     Linear becomes stage_server.quantize.Int8WeightLinear, each weight quantized on the CPU as it is
-    read: the device never holds the full-precision slice."""
+    read: the device never holds the full-precision slice. tp = (rank, size): the slice of one rank of
+    a tensor-parallel stage, its heads and MLP columns only (stage_server/tensor_parallel.py)."""
     model_dir = Path(model_dir)
     config = load_hf_config(model_dir)
-    args = ModelArgs.from_config(config.to_dict())
+    full_args = ModelArgs.from_config(config.to_dict())
+    args = rank_args(full_args, tp[1])
     layer_end = args.num_layers if layer_end is None else layer_end
     inv_freq, rope_scale = rope_inv_freq(config)
     with torch.device("meta"):
@@ -101,7 +111,8 @@ def load_stage(
     for ours, names in progress:
         # float32 only: a bfloat16 GEMV is ~20% slower over the transposed layout (oneDNN prefers rows).
         transposed = device_type == "cpu" and dtype == torch.float32 and not int8_linears and is_linear_weight(ours)
-        if len(names) == 1 and not transposed:  # as stored: on CPU a view of the file, read on use
+        parts = [shard_of(ours, i, full_args, *tp) for i in range(len(names))]  # None: the whole tensor
+        if len(names) == 1 and not transposed and parts[0] is None:  # as stored: on CPU a view of the file, read on use
             with safe_open(str(files[names[0]]), framework="pt", device="cpu") as f:
                 put(ours, f.get_tensor(names[0]))
             continue
@@ -113,8 +124,8 @@ def load_stage(
         else:  # int8: assembled on the CPU, then quantized and moved
             t = torch.empty(shape, dtype=dtype, device="cpu" if int8_linears else device)
         row = 0
-        for name in names:  # the parts, one after another along the rows
-            row += _copy_rows(t[row:], files[name], name)
+        for name, part in zip(names, parts, strict=True):  # the parts, one after another along the rows
+            row += _copy_rows(t[row:], files[name], name, part)
         if row != shape[0]:
             raise ValueError(f"checkpoint tensors {names} have {row} rows in all; expected {shape[0]}")
         put(ours, t)

@@ -166,6 +166,7 @@ class StageModel(nn.Module):
         self.rope_scale = rope_scale
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # rope_tables(), made on first use
         self.load_s = 0.0  # how long loading took (cold start), set by the stage server
+        self.tp_group = None  # rank 0 of a tensor-parallel stage: its TPGroup (stage_server/tensor_parallel.py)
 
     # Read from a norm weight: Linear layers may be quantized (stage_server/quantize.py).
     @property

@@ -70,6 +70,7 @@ class Registration:
                 "dtype": self.server.config.dtype,
                 "device": str(self.server.device),
                 "fingerprint": self.server.fingerprint,
+                "tp": str(self.server.config.tp),
             },
         )
 

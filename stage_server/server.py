@@ -21,8 +21,10 @@ from stage_server.model import StageModel, StepSlice
 from stage_server.quantize import loads_int8_weights, quantize
 from stage_server.sessions import SessionTable, short_id
 from stage_server.stage_service import ERROR_CODES, StageService
+from stage_server.tensor_parallel import TPGroup, check_tp
 from stagemesh import grpc_server, metrics, tls
 from stagemesh.checkpoint import (
+    ModelArgs,
     model_fingerprint,
     read_config,
     serving_fingerprint,
@@ -135,6 +137,7 @@ class StageServer:
         self.device = resolve_device(config.device)
         model_config = read_config(config.model)
         self.num_layers = model_config["num_hidden_layers"]
+        check_tp(ModelArgs.from_config(model_config), config.tp, self.device)
         # What this stage serves (checkpoint.serving_fingerprint): registered, and in Stage/Info.
         self.fingerprint = serving_fingerprint(model_fingerprint(config.model), config.dtype, config.quantize)
         self.server = grpc_server.new_server(
@@ -169,8 +172,16 @@ class StageServer:
             torch.set_num_threads(self.config.threads)
         t0 = time.perf_counter()
         dtype = TORCH_DTYPES[self.config.dtype]
+        tp = None
+        if self.config.tp > 1:  # the other ranks load their shards meanwhile
+            tp = TPGroup({"model": self.config.model, "layer_start": layer_start, "layer_end": layer_end,
+                          "dtype": self.config.dtype, "device": str(self.device), "threads": self.config.threads,
+                          "size": self.config.tp}, self.device)
         model = load_stage(self.config.model, layer_start, layer_end, dtype=dtype, device=self.device,
-                           int8_linears=loads_int8_weights(self.config.quantize, self.device.type, dtype))
+                           int8_linears=loads_int8_weights(self.config.quantize, self.device.type, dtype),
+                           tp=(0, self.config.tp))
+        if tp is not None:
+            tp.join(model)
         model = quantize(model, self.config.quantize)  # torch.ao's path on CPU float32; else done at load
         if self.config.compile:
             compile_stage(model)  # compiles in the warm-up, before SERVING
@@ -224,6 +235,8 @@ class StageServer:
         if self.sessions:
             for sid in list(self.sessions.sessions):
                 self.sessions.close(sid)
+        if self.model is not None and self.model.tp_group is not None:
+            self.model.tp_group.close()
         self.model = None
 
     async def start(self, model: StageModel | None = None) -> None:

@@ -373,4 +373,5 @@ class StageService(stage_pb2_grpc.StageServicer):
             fingerprint=self.fingerprint,
             decode_phase_seconds=self.batcher.timing.decode_seconds,
             decode_steps=self.batcher.timing.decode_steps,
+            tp_size=model.tp_group.size if model.tp_group else 1,
         )

@@ -117,3 +117,16 @@ def test_gpu_check_parses_its_arguments_and_dry_runs():
     assert "all steps passed (dry run" in dry.stdout
     bad = subprocess.run([script, "--no-such-flag"], capture_output=True, text=True, timeout=30)
     assert bad.returncode == 2 and "unknown argument" in bad.stderr
+
+
+@pytest.mark.timeout(330)
+def test_bench_tp_rows_measure_both_layouts(tmp_path, tiny_model):
+    out = tmp_path / "bench-tp"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "--tp", "2", "--quick", "--model",
+                           str(tiny_model), "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    report = json.loads((out / "bench_tp.json").read_text())
+    assert report["tp"] == 2 and len(report["layouts"]) == 2
+    for layout in report["layouts"].values():
+        assert layout["prefill"] > 0 and layout["decode"] > 0
+    assert "TP / one process" in proc.stdout
