@@ -124,12 +124,13 @@ class ChainSet:
         return [c for c in self.chains if c.healthy]
 
     def preferred(self, length_class: str) -> list[Chain]:
-        """The usable chains that suit this class of prompt best (all of them with the rule off)."""
-        usable = self.usable()
-        if not self.long_prompt_tokens or not usable:
-            return usable
-        best = min(suitability(c, length_class) for c in usable)
-        return [c for c in usable if suitability(c, length_class) == best]
+        """The chains that suit this class of prompt best (all of them with the rule off), among all the router
+        knows, usable or not: while they are down the class is missing its kind (pick() falls back and counts
+        it); once withdrawn from the mesh, the next best kind is the preferred one."""
+        if not self.long_prompt_tokens or not self.chains:
+            return list(self.chains)
+        best = min(suitability(c, length_class) for c in self.chains)
+        return [c for c in self.chains if suitability(c, length_class) == best]
 
     def length_class_of(self, chain: Chain) -> str:
         """Which prompts go to this chain first (ListChains): short, long, any, or "" (only as a fallback)."""
