@@ -6,8 +6,13 @@ greedy tokens. And the scheduler's plan, as `stagemesh plan` prints it, advises 
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import grpc
+import pytest
 from prometheus_client import REGISTRY
 
 from router.priority_queue import AdmissionConfig
@@ -18,9 +23,12 @@ from stage_server.registration import Registration, RegistrationConfig
 from stage_server.server import StageServer
 from stagemesh import grpc_server
 from stagemesh.discovery.backends import open_registry
+from stagemesh.tiny_model import make_tiny_model
 from stagemesh.v1 import router_pb2, router_pb2_grpc
 from tests.conftest import collect, hf_greedy, splits, start_mesh
 from tests.test_scheduler import ControlPlane, wait_for_chains
+
+ROOT = Path(__file__).resolve().parent.parent
 
 LONG_PROMPT_TOKENS = 16
 SHORT = list(range(3, 11))  # 8 tokens
@@ -164,3 +172,18 @@ async def test_plan_advises_tp_on_a_machine_with_two_devices(tiny_model):
         assert "(pipeline, tp width 1" in printed
     finally:
         await mesh.stop()
+
+
+@pytest.mark.timeout(330)
+def test_bench_routing_quick_runs_and_writes_both_routers_figures(tmp_path):
+    out = tmp_path / "routing.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_routing.py"), "--quick", "--out", str(out),
+                           "--model", str(make_tiny_model(tmp_path / "model", "llama", max_position=1100)),
+                           "--metrics-port", "0"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    report = json.loads(out.read_text())
+    assert sorted(c["kind"] for c in report["chains"]) == ["pipeline", "replica"]
+    for mode in ("rule", "no rule"):
+        assert {c: report["summary"][mode][c]["n"] for c in ("short", "long")} == {"short": 8, "long": 2}
+    assert report["routed"]["rule"] == {"short/preferred": 8.0, "long/preferred": 2.0}
