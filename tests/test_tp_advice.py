@@ -3,11 +3,14 @@ table's tp and host, tensor-parallel stages in the plan, and the plan's `--tp` a
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 
 from scheduler.placement import Host, PlacementConfig, plan
 from scheduler.scheduler import host_of
 from scheduler.tp_advice import advise, tp_sizes
+from stage_server.config import StageConfig
 from stagemesh.checkpoint import ModelArgs
 from stagemesh.discovery.chain_table import PublishedChain, PublishedStage, decode_chains, encode_chains
 from stagemesh.discovery.registry import ServiceRecord, ServiceStatus
@@ -103,3 +106,8 @@ def test_tp_sizes_divide_the_heads():
     assert tp_sizes(odd, 2) == []
     text = advice([Host("a", HALF, machine="m1", devices=2), Host("b", HALF, machine="m1", devices=2)], odd)
     assert "no tensor-parallel size 2..2 divides" in text
+
+
+def test_a_stage_announces_its_machine_by_default():
+    assert StageConfig(model="m", layer_start=0, layer_end=8).host_id == socket.gethostname()
+    assert StageConfig(model="m", layer_start=0, layer_end=8, host_id="gpu-7").host_id == "gpu-7"
