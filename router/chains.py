@@ -84,10 +84,10 @@ class ChainSet:
         wanted = [p.chain_id for p in published]
         retyped = False
         for p in published:  # a stage restarted on its address with another --tp keeps the chain's id
-            for stage, announced in zip(existing[p.chain_id].stages if p.chain_id in existing else (), p.stages,
-                                        strict=False):
-                retyped |= stage.tp != announced.tp
-                stage.tp = announced.tp
+            if (known := existing.get(p.chain_id)) is not None:
+                for stage, announced in zip(known.stages, p.stages, strict=True):
+                    retyped |= stage.tp != announced.tp
+                    stage.tp = announced.tp
         if wanted == list(existing):
             return retyped
         wanted_ids = set(wanted)
@@ -136,7 +136,7 @@ class ChainSet:
         """Which prompts go to this chain first (ListChains): short, long, any, or "" (only as a fallback)."""
         if not self.long_prompt_tokens:
             return "any"
-        classes = [cls for cls in (SHORT, LONG) if chain in self.preferred(cls)]
+        classes = [cls for cls in (SHORT, LONG) if any(c is chain for c in self.preferred(cls))]
         return "any" if len(classes) == 2 else "".join(classes)
 
     def pick(self, exclude: set[str] = frozenset(), prompt_tokens: int | None = None) -> Chain:
@@ -152,7 +152,7 @@ class ChainSet:
         if not self.long_prompt_tokens or prompt_tokens is None:
             return min(candidates, key=_load)
         length_class = LONG if prompt_tokens > self.long_prompt_tokens else SHORT
-        room = [c for c in self.preferred(length_class) if c in candidates
+        room = [c for c in self.preferred(length_class) if c.healthy and c.chain_id not in exclude
                 and not (self.slots_per_chain and c.in_flight >= self.slots_per_chain)]
         metrics.ROUTED.labels(length_class, "preferred" if room else "fallback").inc()
         return min(room or candidates, key=_load)

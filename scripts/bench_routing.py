@@ -131,7 +131,8 @@ def start_mesh(model: str, args: argparse.Namespace, log_dir: Path) -> tuple[Loc
         metrics_ports[mode] = args.metrics_port + i if args.metrics_port else free_port()
         proc = mesh.spawn(f"router-{i}", ["--log-level", "warning", "router", "--model", model, "--registry", url,
                                           "--port", "0", "--long-prompt-tokens", str(threshold),
-                                          "--metrics-port", str(metrics_ports[mode])], stage_env(None))
+                                          "--metrics-port", str(metrics_ports[mode]),
+                                          "--slots-per-chain", str(args.slots_per_chain)], stage_env(None))
         routers[mode] = proc.address
         wait_for_chains(proc.address, args.replicas + 1)
     return mesh, routers, metrics_ports
@@ -205,6 +206,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--long-tokens", type=int, default=2048)
     p.add_argument("--new-tokens", type=int, default=4, help="tokens generated per request")
     p.add_argument("--long-prompt-tokens", type=int, default=512, help="the rule's router's threshold")
+    p.add_argument("--slots-per-chain", type=int, default=32, help="both routers': streams per chain, past which "
+                                                                   "the rule's router counts a chain full")
     p.add_argument("--repeats", type=int, default=3, help="rounds; each runs the workload through both routers")
     p.add_argument("--metrics-port", type=int, default=0, help="the routers' metrics ports: this and the next "
                                                                "(default: free ones)")

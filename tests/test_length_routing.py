@@ -15,6 +15,8 @@ import grpc
 import pytest
 from prometheus_client import REGISTRY
 
+from router.chain_client import Chain, StageEndpoint
+from router.chains import ChainSet
 from router.priority_queue import AdmissionConfig
 from router.server import RouterConfig, RouterServer
 from scheduler.server import print_plan
@@ -84,6 +86,26 @@ async def read_rest(call) -> list[int]:
 async def greedy(stub, prompt: list[int], new_tokens: int = 24) -> list[int]:
     ids, _, _ = await collect(stub.Generate(router_pb2.GenerateRequest(token_ids=prompt, max_new_tokens=new_tokens)))
     return ids
+
+
+def test_pick_ranks_kinds_by_prompt_length_and_falls_back_when_full():
+    def chain(name: str, *tps: int) -> Chain:
+        return Chain([StageEndpoint(f"{name}:{i}", tp=tp) for i, tp in enumerate(tps)], chain_id=name)
+
+    replica, pipeline, tp2, tp4_pipeline = chain("r", 1), chain("p", 1, 1), chain("t", 2), chain("w", 4, 4)
+    chains = ChainSet([replica, pipeline, tp2, tp4_pipeline], 8, "", long_prompt_tokens=512, slots_per_chain=2)
+    assert chains.pick(prompt_tokens=512) is replica and chains.pick(prompt_tokens=513) is tp4_pipeline
+    assert [chains.length_class_of(c) for c in chains.chains] == ["short", "", "", "long"]
+    replica.in_flight = 2  # full: the least loaded of all takes the short prompt
+    assert chains.pick(prompt_tokens=10) is pipeline
+    assert chains.pick(prompt_tokens=10, exclude={"p"}) is tp2
+    tp4_pipeline.healthy = False  # down, still known: long prompts fall back rather than rank the tp-2 chain first
+    fallbacks = routed("long", "fallback")
+    assert chains.pick(prompt_tokens=4000) is pipeline and routed("long", "fallback") == fallbacks + 1
+    chains.chains.remove(tp4_pipeline)  # withdrawn: the tp-2 chain is the widest now
+    assert chains.pick(prompt_tokens=4000) is tp2
+    off = ChainSet([replica, tp2], 8, "", long_prompt_tokens=0)
+    assert off.pick(prompt_tokens=4000) is tp2 and {off.length_class_of(c) for c in off.chains} == {"any"}
 
 
 async def test_short_prompts_to_the_replica_long_to_the_pipeline_and_fallback(tiny_model, hf_models):
