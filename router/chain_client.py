@@ -29,6 +29,7 @@ class StageEndpoint:
     layer_end: int = 0
     tls: Tls | None = field(default=None, repr=False)
     """The mesh identity the channel presents and checks the stage against (None: plaintext)."""
+    tp: int = 1  # ranks of its tensor-parallel group, as published (router.chains routes long prompts by it)
     _stub: stage_pb2_grpc.StageStub | None = field(default=None, repr=False)
     _channel: grpc.aio.Channel | None = field(default=None, repr=False)
 

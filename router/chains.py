@@ -11,7 +11,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from router.chain_client import Chain, StageEndpoint
+from stagemesh import metrics
 from stagemesh.checkpoint import FINGERPRINT_DIGEST_CHARS, fingerprint_digest
+from stagemesh.discovery.chain_table import chain_kind, tp_width
 from stagemesh.tls import Tls
 from stagemesh.v1 import stage_pb2, stage_pb2_grpc
 
@@ -22,8 +24,32 @@ LATE_CHECKS_TO_DOWN = 2
 NOT_SERVING, or a refused connection, takes it down at once)."""
 
 
+SHORT, LONG = "short", "long"
+
+
 class NoUsableChain(RuntimeError):
     """No chain can take the request now."""
+
+
+def kind(chain: Chain) -> str:
+    return chain_kind([s.tp for s in chain.stages])
+
+
+def width(chain: Chain) -> int:
+    return tp_width([s.tp for s in chain.stages])
+
+
+def suitability(chain: Chain, length_class: str) -> tuple[int, int]:
+    """How well a chain suits prompts of a class, lower first. Short prompts: the fewest ranks, then the
+    fewest hops (replicas, then narrow chains): their prefill is small, each hop and all-reduce a cost. Long
+    ones: the widest tensor-parallel group, then the most stages (a pipeline overlaps a chunked prefill's
+    chunks over its stages)."""
+    return (width(chain), len(chain.stages)) if length_class == SHORT else (-width(chain), -len(chain.stages))
+
+
+def _load(chain: Chain) -> tuple[int, int]:
+    """Most room first: fewest streams in flight and steps queued at its busiest stage, then most free KV."""
+    return chain.in_flight + chain.queued_steps, -chain.kv_free_bytes
 
 
 def parse_chain(spec: str, tls: Tls | None = None) -> Chain:
@@ -36,7 +62,11 @@ def parse_chain(spec: str, tls: Tls | None = None) -> Chain:
 
 class ChainSet:
     def __init__(self, chains: list[Chain], num_layers: int, model_digest: str,
-                 on_change: Callable[[bool], None] | None = None, prefill_chunk: int = 0, tls: Tls | None = None):
+                 on_change: Callable[[bool], None] | None = None, prefill_chunk: int = 0, tls: Tls | None = None,
+                 long_prompt_tokens: int = 0, slots_per_chain: int = 0):
+        # Length-aware routing: prompts longer than this go to the widest chains first, others to replicas (0: off).
+        self.long_prompt_tokens = long_prompt_tokens
+        self.slots_per_chain = slots_per_chain  # streams past which a preferred chain counts as full (0: never)
         self.tls = tls  # the channels of chains adopted later (replace()) use it too
         self.chains = chains
         self.num_layers = num_layers
@@ -52,14 +82,21 @@ class ChainSet:
         its state and channels. True if anything changed."""
         existing = {c.chain_id: c for c in self.chains}
         wanted = [p.chain_id for p in published]
+        retyped = False
+        for p in published:  # a stage restarted on its address with another --tp keeps the chain's id
+            if (known := existing.get(p.chain_id)) is not None:
+                for stage, announced in zip(known.stages, p.stages, strict=True):
+                    retyped |= stage.tp != announced.tp
+                    stage.tp = announced.tp
         if wanted == list(existing):
-            return False
+            return retyped
         wanted_ids = set(wanted)
         new = []
         for p in published:
             chain = existing.get(p.chain_id)
             if chain is None:
-                stages = [StageEndpoint(s.address, s.layer_start, s.layer_end, tls=self.tls) for s in p.stages]
+                stages = [StageEndpoint(s.address, s.layer_start, s.layer_end, tls=self.tls, tp=s.tp)
+                          for s in p.stages]
                 chain = Chain(stages, chain_id=p.chain_id, healthy=False,  # healthy after its first check
                               fingerprint=p.fingerprint)
             new.append(chain)
@@ -86,16 +123,39 @@ class ChainSet:
     def usable(self) -> list[Chain]:
         return [c for c in self.chains if c.healthy]
 
-    def pick(self, exclude: set[str] = frozenset()) -> Chain:
-        """The healthy chain with the most room: fewest streams in flight and steps queued at its
-        busiest stage, then the most free KV memory."""
+    def preferred(self, length_class: str) -> list[Chain]:
+        """The chains that suit this class of prompt best (all of them with the rule off), among all the router
+        knows, usable or not: while they are down the class is missing its kind (pick() falls back and counts
+        it); once withdrawn from the mesh, the next best kind is the preferred one."""
+        if not self.long_prompt_tokens or not self.chains:
+            return list(self.chains)
+        best = min(suitability(c, length_class) for c in self.chains)
+        return [c for c in self.chains if suitability(c, length_class) == best]
+
+    def length_class_of(self, chain: Chain) -> str:
+        """Which prompts go to this chain first (ListChains): short, long, any, or "" (only as a fallback)."""
+        if not self.long_prompt_tokens:
+            return "any"
+        classes = [cls for cls in (SHORT, LONG) if any(c is chain for c in self.preferred(cls))]
+        return "any" if len(classes) == 2 else "".join(classes)
+
+    def pick(self, exclude: set[str] = frozenset(), prompt_tokens: int | None = None) -> Chain:
+        """The healthy chain with the most room (fewest streams in flight and steps queued at its busiest
+        stage, then the most free KV memory), among those that suit the prompt's length best (preferred())
+        while one of them is neither excluded nor full; among all healthy ones otherwise (a fallback)."""
         candidates = [c for c in self.usable() if c.chain_id not in exclude]
         if not candidates:
             raise NoUsableChain(
                 "no usable pipeline chain: every chain has a stage that is down or not serving; "
                 "retry later, or check the stage servers (ListChains shows each chain)"
             )
-        return min(candidates, key=lambda c: (c.in_flight + c.queued_steps, -c.kv_free_bytes))
+        if not self.long_prompt_tokens or prompt_tokens is None:
+            return min(candidates, key=_load)
+        length_class = LONG if prompt_tokens > self.long_prompt_tokens else SHORT
+        room = [c for c in self.preferred(length_class) if c.healthy and c.chain_id not in exclude
+                and not (self.slots_per_chain and c.in_flight >= self.slots_per_chain)]
+        metrics.ROUTED.labels(length_class, "preferred" if room else "fallback").inc()
+        return min(room or candidates, key=_load)
 
     def mark_down(self, chain: Chain, why: str) -> None:
         if chain.healthy:

@@ -118,7 +118,7 @@ async def generate(
     max_length = len(req.prompt_ids) + req.max_new_tokens
     while True:
         try:
-            chain = chains.pick(exclude=tried)
+            chain = chains.pick(exclude=tried, prompt_tokens=len(req.prompt_ids))
         except NoUsableChain:
             if not tried:
                 raise

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from router.auth import CALLER
-from router.chains import ChainSet, NoUsableChain
+from router.chains import ChainSet, NoUsableChain, kind, width
 from router.generation import GenerationConfig, GenerationRequest, generate
 from router.priority_queue import AdmissionRefused, PriorityAdmission, priority_class
 from stagemesh import metrics
@@ -205,6 +205,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
                     healthy=c.healthy,
                     in_flight=c.in_flight,
                     fingerprint=c.fingerprint,
+                    kind=kind(c),
+                    tp_width=width(c),
+                    length_class=self.chains.length_class_of(c),
                     stages=[router_pb2.StageRef(address=s.address, layer_start=s.layer_start,
                                                 layer_end=s.layer_end) for s in c.stages],
                 )

@@ -42,6 +42,10 @@ class RouterConfig:
     port: int = 50051
     """The port callers reach the router on (0 picks a free port)."""
     generation: GenerationConfig = field(default_factory=GenerationConfig)
+    long_prompt_tokens: int = 512
+    """Prompts of at most this many tokens go first to the chains that serve short requests best (replicas, then
+    narrow chains), longer ones to the widest tensor-parallel chains; any usable chain takes them when those are
+    missing or full (0: no length rule, the least loaded chain)."""
     health_interval_s: float = 1.0
     """Seconds between health checks of every chain's stages."""
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
@@ -85,6 +89,8 @@ class RouterConfig:
             raise refused(self, "metrics_port", "must be 0..65535 (0 or left out: no metrics)")
         if not self.drain_timeout_s >= 0:
             raise refused(self, "drain_timeout_s", "must be >= 0 seconds (0: cut open streams at once)")
+        if not self.long_prompt_tokens >= 0:
+            raise refused(self, "long_prompt_tokens", "must be >= 0 prompt tokens (0: route by load alone)")
         if not self.health_interval_s > 0:
             raise refused(self, "health_interval_s", "must be > 0 seconds between health checks")
         self.model_name = self.model_name or Path(self.model).name
@@ -136,7 +142,9 @@ class RouterServer:
         self.health = grpc_server.add_health_and_reflection(self.server, [SERVICE_NAME])
         self.chains = ChainSet([parse_chain(c, self.tls) for c in config.chains], model_config.num_hidden_layers,
                                model_fingerprint(config.model), on_change=self._on_chains_change,
-                               prefill_chunk=config.generation.prefill_chunk, tls=self.tls)
+                               prefill_chunk=config.generation.prefill_chunk, tls=self.tls,
+                               long_prompt_tokens=config.long_prompt_tokens,
+                               slots_per_chain=config.admission.slots_per_chain)
         for chain in self.chains.chains:
             chain.healthy = False  # until the first health check passes
         self.admission = PriorityAdmission(config.admission, lambda: len(self.chains.usable()))

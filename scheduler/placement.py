@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from stagemesh.checkpoint import ModelFootprint
 from stagemesh.config_flags import refused
+from stagemesh.discovery.chain_table import chain_kind
 
 
 def _gib(n: float) -> str:
@@ -26,6 +27,9 @@ class Host:
     speed: float = 1.0  # relative throughput; a weak host has < 1
     fixed_layers: tuple[int, int] | None = None  # started with --layers A:B: serves exactly that
     fingerprint: str = ""  # what it serves (model digest/dtype/quantization): chains never mix two
+    tp: int = 1  # ranks of its tensor-parallel group: one stage, one host; memory_bytes and speed are the group's
+    machine: str = ""  # the physical host it runs on (its --host-id); "" when not announced
+    devices: int = 1  # accelerator devices that machine has
 
 
 @dataclass(frozen=True)
@@ -200,7 +204,8 @@ def _describe(model, config, chain: ChainPlan, by_id: dict[str, Host]) -> list[s
     lines, slowest = [], max(times) if len(times) > 1 else None
     for s, t in zip(chain.stages, times, strict=True):
         h, parts = by_id[s.host_id], ["embed"] * (s.layer_start == 0) + ["head"] * (s.layer_end == n)
-        lines.append(f"    {s.host_id}: layers {s.layer_start}:{s.layer_end} ({s.layer_end - s.layer_start}"
+        where = f" on {h.machine}" * bool(h.machine) + f", tp {h.tp}" * (h.tp > 1)
+        lines.append(f"    {s.host_id}{where}: layers {s.layer_start}:{s.layer_end} ({s.layer_end - s.layer_start}"
                      f"{''.join(', ' + p for p in parts)}), speed {h.speed:g}, "
                      f"{_gib(model.stage_bytes(s.layer_start, s.layer_end))} of {_gib(usable_bytes(h, config))} "
                      f"usable, est. time {t:.2f} ({t / sum(times):.0%}){' <- slowest' * (t == slowest)}")
@@ -252,7 +257,8 @@ def _explain(model, config, hosts, chains, spare, free, notes) -> str:
              f"{len(chains)} chain(s) over {len(hosts) - len(spare)} of {len(hosts)} host(s); layers are shared in "
              "proportion to speed within memory, est. time = (layers + head) / speed"]
     for i, (c, why) in enumerate(chains):
-        lines += [f"  chain {i}: {why}", *_describe(model, config, c, by_id)]
+        kind = chain_kind([by_id[s.host_id].tp for s in c.stages])
+        lines += [f"  chain {i} ({kind}): {why}", *_describe(model, config, c, by_id)]
     lines += [f"  {note}" for note in notes]
     if spare:
         left = [h for h in free if h.host_id in spare]

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import get_args
 
-from scheduler import placement
-from stagemesh.checkpoint import QUANTIZE, ModelFootprint, Quantization, ServingDtype
+from scheduler import placement, tp_advice
+from stagemesh.checkpoint import QUANTIZE, ModelArgs, ModelFootprint, Quantization, ServingDtype, read_config
 from stagemesh.config_flags import NOT_A_FLAG, PORT_RULE, refused
 from stagemesh.discovery.chain_table import PublishedChain, PublishedStage, encode_chains
 from stagemesh.discovery.registry import (
@@ -81,15 +81,19 @@ def host_of(status: ServiceStatus, num_layers: int) -> placement.Host:
     try:
         budget = int(meta.get("budget_bytes", ""))
         speed = float(meta.get("speed", "1"))
+        tp, devices = int(meta.get("tp", "1")), int(meta.get("devices", "1"))
     except ValueError:
-        raise ValueError(f"budget_bytes {meta.get('budget_bytes')!r} / speed {meta.get('speed')!r} are not "
-                         "numbers") from None
+        raise ValueError(f"budget_bytes {meta.get('budget_bytes')!r} / speed {meta.get('speed')!r} / tp "
+                         f"{meta.get('tp')!r} / devices {meta.get('devices')!r} are not numbers") from None
+    if not (tp >= 1 and devices >= 1):  # tp may pass devices: on a CPU host its ranks share the cores
+        raise ValueError(f"tp {tp} and devices {devices} must be >= 1")
     if budget <= 0:
         raise ValueError(f"budget_bytes {budget} must be > 0")
     if not (math.isfinite(speed) and speed > 0):
         raise ValueError(f"speed {speed} must be finite and > 0")
     return placement.Host(host_id=status.record.service_id, memory_bytes=budget, speed=speed, fixed_layers=fixed,
-                          fingerprint=meta.get("fingerprint", ""))
+                          fingerprint=meta.get("fingerprint", ""), tp=tp, machine=meta.get("host", ""),
+                          devices=devices)
 
 
 def serves(status: ServiceStatus, start: int, end: int) -> bool:
@@ -103,6 +107,7 @@ class Scheduler:
         self.config = config
         self.registry = registry
         self.footprint = ModelFootprint.from_model_dir(config.model, config.dtype, config.quantize)
+        self.model_args = ModelArgs.from_config(read_config(config.model))  # heads: which --tp sizes fit
         self.plan: placement.Plan | None = None
         self.published: list[PublishedChain] | None = None
         self.leading = False
@@ -188,6 +193,8 @@ class Scheduler:
             except ValueError as exc:
                 self._report(f"ignoring registration {s.record.service_id}: {exc}")
         new_plan = placement.plan(self.footprint, hosts, self.config.placement, previous=self.plan)
+        advice = tp_advice.advise(self.footprint, self.model_args, self.config.placement, hosts, new_plan)
+        new_plan.explanation += "".join("\n" + line for line in advice)
         if self.plan is None or new_plan.assignments() != self.plan.assignments():
             log.info("plan:\n" + new_plan.explanation)
         self.plan = new_plan
@@ -206,9 +213,11 @@ class Scheduler:
             await self.registry.kv_delete(assignment_key(self.name, sid))
             del self._assigned[sid]
 
+        by_id = {h.host_id: h for h in hosts}
         ready = [
             PublishedChain(tuple(PublishedStage(s.host_id, live[s.host_id].record.address, s.layer_start,
-                                                s.layer_end) for s in chain.stages), fingerprint=chain.fingerprint)
+                                                s.layer_end, by_id[s.host_id].tp, by_id[s.host_id].machine)
+                                 for s in chain.stages), fingerprint=chain.fingerprint)
             for chain in new_plan.chains
             if all(serves(live[s.host_id], s.layer_start, s.layer_end) for s in chain.stages)
         ]

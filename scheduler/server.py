@@ -59,5 +59,6 @@ async def print_plan(registry_url: str, model_name: str, tls: Tls | None = None)
         return f"no plan for model {model_name!r} in {registry_url}: is a scheduler running for it?"
     lines = [plan.decode(), "", "published chains:"]
     for chain in decode_chains(chains):
-        lines.append(f"  {chain.chain_id} (model {chain.fingerprint or 'not announced'}): {chain.label}")
+        lines.append(f"  {chain.chain_id} ({chain.kind}, tp width {chain.tp_width}, model "
+                     f"{chain.fingerprint or 'not announced'}): {chain.label}")
     return "\n".join(lines)

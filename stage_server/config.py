@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import get_args
@@ -115,6 +116,12 @@ class StageConfig:
     """Read every weight page at start, so that no request pays for a cold page (tensors used as stored
     are otherwise views of the memory-mapped safetensors file, read on first use); Stage/Info reports
     the load time as cold start."""
+    host_id: str = ""
+    """The machine this stage runs on, announced to the scheduler (meta "host"); every stage of one machine
+    says the same (default: this machine's hostname). A tensor-parallel group never spans two."""
+    devices: int | None = None
+    """Accelerator devices on this machine, announced to the scheduler (meta "devices"; default: CUDA's device
+    count on CUDA, else 1): on a machine with several it may advise --tp."""
     compile: bool = False
     """torch.compile (inductor) each layer's MLP and norms and the LM head, during the warm-up before SERVING
     (the time shows in the cold start); eager, logged once, if compilation fails (stage_server/compiled.py)."""
@@ -176,4 +183,7 @@ class StageConfig:
                                       "attention and KV heads)")
         if self.tp > 1 and (self.quantize != "none" or self.compile):
             raise refused(self, "tp", "is not supported with --quantize or --compile yet; leave those out")
+        if self.devices is not None and not self.devices >= 1:
+            raise refused(self, "devices", "must be >= 1 (leave it out to count this machine's CUDA devices)")
+        self.host_id = self.host_id or socket.gethostname()
         self.model_name = self.model_name or Path(self.model).name

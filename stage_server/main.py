@@ -9,7 +9,7 @@ import time
 import psutil
 
 from stage_server.config import StageConfig
-from stage_server.registration import Registration, RegistrationConfig
+from stage_server.registration import Registration, RegistrationConfig, local_devices
 from stage_server.server import StageServer
 from stagemesh import metrics
 from stagemesh.discovery.backends import open_registry
@@ -29,7 +29,8 @@ async def serve(config: StageConfig) -> None:
     if config.registry:
         budget = int(config.memory_gb * 2**30) if config.memory_gb else psutil.virtual_memory().available
         registration = Registration(server, open_registry(config.registry, server.tls),
-                                    RegistrationConfig(config.model_name, budget, config.speed),
+                                    RegistrationConfig(config.model_name, budget, config.speed, host_id=config.host_id,
+                                                       devices=config.devices or local_devices(server.device)),
                                     fixed=config.layer_start is not None)
         await registration.start()
     print(f"stage ready on {server.address}", flush=True)

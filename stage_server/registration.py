@@ -8,7 +8,10 @@ import contextlib
 import logging
 import re
 import secrets
+import socket
 from dataclasses import dataclass
+
+import torch
 
 from stage_server.server import StageServer
 from stagemesh.discovery.registry import Registry, RegistryError, ServiceRecord, assignment_key, parse_layers
@@ -26,6 +29,10 @@ class RegistrationConfig:
     """Relative throughput of this host (a weak host < 1): the scheduler gives it fewer layers."""
     ttl_s: float = 2.0
     """Missing heartbeats for this long make the stage critical: chains through it are withdrawn."""
+    host_id: str = ""
+    """The machine it runs on (meta "host"; default: this machine's hostname)."""
+    devices: int = 1
+    """Accelerator devices on that machine (meta "devices"): the scheduler may advise --tp where there are several."""
 
     def __post_init__(self) -> None:
         if not self.budget_bytes > 0:
@@ -34,6 +41,14 @@ class RegistrationConfig:
             raise ValueError(f"speed {self.speed}: must be > 0 (the stage's --speed)")
         if not self.ttl_s > 0:
             raise ValueError(f"ttl_s {self.ttl_s}: must be > 0 seconds")
+        if not self.devices >= 1:
+            raise ValueError(f"devices {self.devices}: must be >= 1 (the stage's --devices)")
+        self.host_id = self.host_id or socket.gethostname()
+
+
+def local_devices(device: torch.device) -> int:
+    """The accelerator devices a stage on `device` sees on its machine: CUDA's count on CUDA, else 1."""
+    return torch.cuda.device_count() if device.type == "cuda" else 1
 
 
 def stage_id(address: str) -> str:
@@ -70,6 +85,8 @@ class Registration:
                 "dtype": self.server.config.dtype,
                 "device": str(self.server.device),
                 "fingerprint": self.server.fingerprint,
+                "host": self.config.host_id,
+                "devices": str(self.config.devices),
                 "tp": str(self.server.config.tp),
             },
         )

@@ -36,6 +36,10 @@ STEP_TIMEOUTS = Counter("stagemesh_router_step_timeouts_total",
 AUTH_REFUSED = Counter("stagemesh_router_auth_refused_total",
                        "Calls refused by --auth-tokens: by status, and the caller's name when its token was valid",
                        ["code", "caller"])
+ROUTED = Counter("stagemesh_router_routed_total",
+                 "Chain picks by prompt length (class: short, or long past --long-prompt-tokens) and whether a chain "
+                 "of the kind that suits it took it (path: preferred) or another, that kind being missing or full "
+                 "(fallback); a failover or retry picks again", ["class", "path"])
 FULL_RETRIES = Counter("stagemesh_router_full_retries_total",
                        "Waits (with backoff) because every chain tried was full")
 

@@ -17,6 +17,21 @@ class PublishedStage:
     address: str
     layer_start: int
     layer_end: int
+    tp: int = 1
+    """Ranks of its tensor-parallel group, all on one host (1: not tensor-parallel; absent from older tables)."""
+    host: str = ""
+    """The machine it runs on (its --host-id), "" when not announced."""
+
+
+def chain_kind(tps: list[int]) -> str:
+    """What a chain of stages with these tensor-parallel sizes is: "replica" (one stage of one rank), "tp" (one
+    stage of several ranks) or "pipeline" (several stages)."""
+    return "pipeline" if len(tps) > 1 else "tp" if tps and tps[0] > 1 else "replica"
+
+
+def tp_width(tps: list[int]) -> int:
+    """A chain's tensor-parallel width: its narrowest stage's (the rest of a prefill waits on that stage)."""
+    return min(tps, default=1)
 
 
 @dataclass(frozen=True)
@@ -37,7 +52,16 @@ class PublishedChain:
 
     @property
     def label(self) -> str:
-        return " -> ".join(f"{s.address}[{s.layer_start}:{s.layer_end}]" for s in self.stages)
+        return " -> ".join(f"{s.address}[{s.layer_start}:{s.layer_end}]" + f" tp {s.tp}" * (s.tp > 1)
+                           for s in self.stages)
+
+    @property
+    def kind(self) -> str:
+        return chain_kind([s.tp for s in self.stages])
+
+    @property
+    def tp_width(self) -> int:
+        return tp_width([s.tp for s in self.stages])
 
 
 def encode_chains(chains: list[PublishedChain]) -> bytes:
@@ -69,10 +93,11 @@ def _chain(c: dict) -> PublishedChain:
 
 def _stage(s: dict) -> PublishedStage:
     stage = PublishedStage(service_id=s["service_id"], address=s["address"], layer_start=s["layer_start"],
-                           layer_end=s["layer_end"])
-    if not (isinstance(stage.service_id, str) and isinstance(stage.address, str)
-            and type(stage.layer_start) is int and type(stage.layer_end) is int
-            and 0 <= stage.layer_start < stage.layer_end):
-        raise ValueError(f"stage {s!r}: service_id and address strings, 0 <= layer_start < layer_end integers")
+                           layer_end=s["layer_end"], tp=s.get("tp", 1), host=s.get("host", ""))
+    if not (isinstance(stage.service_id, str) and isinstance(stage.address, str) and isinstance(stage.host, str)
+            and type(stage.layer_start) is int and type(stage.layer_end) is int and type(stage.tp) is int
+            and 0 <= stage.layer_start < stage.layer_end and stage.tp >= 1):
+        raise ValueError(f"stage {s!r}: service_id, address and host strings, 0 <= layer_start < layer_end "
+                         "integers, tp an integer >= 1")
     split_address(stage.address)
     return stage

@@ -87,18 +87,24 @@ class StageRef(_message.Message):
     def __init__(self, address: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ...) -> None: ...
 
 class Chain(_message.Message):
-    __slots__ = ("chain_id", "stages", "healthy", "in_flight", "fingerprint")
+    __slots__ = ("chain_id", "stages", "healthy", "in_flight", "fingerprint", "kind", "tp_width", "length_class")
     CHAIN_ID_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    TP_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_CLASS_FIELD_NUMBER: _ClassVar[int]
     chain_id: str
     stages: _containers.RepeatedCompositeFieldContainer[StageRef]
     healthy: bool
     in_flight: int
     fingerprint: str
-    def __init__(self, chain_id: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StageRef, _Mapping]]] = ..., healthy: _Optional[bool] = ..., in_flight: _Optional[int] = ..., fingerprint: _Optional[str] = ...) -> None: ...
+    kind: str
+    tp_width: int
+    length_class: str
+    def __init__(self, chain_id: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StageRef, _Mapping]]] = ..., healthy: _Optional[bool] = ..., in_flight: _Optional[int] = ..., fingerprint: _Optional[str] = ..., kind: _Optional[str] = ..., tp_width: _Optional[int] = ..., length_class: _Optional[str] = ...) -> None: ...
 
 class ListChainsResponse(_message.Message):
     __slots__ = ("model", "chains", "plan")
