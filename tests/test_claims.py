@@ -14,7 +14,6 @@ import prometheus_client
 import pytest
 import torch
 
-from router.chain_client import Chain, ChainSession, Sampling, StageEndpoint
 from router.generation import GenerationConfig
 from router.priority_queue import AdmissionConfig, ClassLimits, PriorityAdmission
 from stage_server.batcher import BatcherConfig
@@ -22,7 +21,7 @@ from stage_server.config import StageConfig
 from stage_server.server import StageServer
 from stagemesh.tiny_model import make_tiny_model
 from stagemesh.v1 import router_pb2
-from tests.conftest import collect, hf_greedy, splits, start_mesh
+from tests.conftest import collect, hf_greedy, splits, start_mesh, stepped_logits
 from tests.test_exactness import prompt
 from tests.test_traffic import request
 
@@ -468,18 +467,9 @@ async def test_window_and_tied_variants_equal_transformers(variant_models, varia
         got, _, _ = await collect(mesh.router_stub.Generate(request(ids, 24), timeout=60))
         assert got == expected
 
-        chain = Chain([StageEndpoint(s.address) for s in mesh.stages[0]])
-        logits, tokens = [], list(ids)
-        async with ChainSession(chain, max_length=64, request_id=f"logits-{variant}") as session:
-            feed = ids
-            for _ in range(24):
-                step = await session.step(feed, sampling=Sampling(), return_logits=True)
-                logits.append(step.logits)
-                tokens.append(step.token_id)
-                feed = [step.token_id]
-        for stage in chain.stages:
-            await stage.close()
-        assert tokens[len(ids):] == expected
+        new, logits = await stepped_logits([s.address for s in mesh.stages[0]], ids, 24, f"logits-{variant}")
+        assert new == expected
+        tokens = ids + new
         with torch.inference_mode():
             reference = model(torch.tensor([tokens])).logits[0]
         for k, row in enumerate(logits):
