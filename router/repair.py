@@ -145,10 +145,9 @@ class Repairs:
             log.info(f"not repairing ({why or 'no other stage serves those layers'})", extra=self.log_extra)
             return None
         dead = session.chain.stages[session.failed_stage]
-        if exc.code() != grpc.StatusCode.UNKNOWN:
-            for chain in self.chains.chains:
-                if dead.address in {s.address for s in chain.stages}:
-                    self.chains.mark_down(chain, f"{exc.code().name}: {exc.details()}")
+        for chain in self.chains.usable():
+            if dead.address in {s.address for s in chain.stages}:
+                self.chains.mark_down(chain, f"{exc.code().name}: {exc.details()}")
         rebuilt = max(session.reached)
         log.warning(f"stage {dead.address}[{dead.layer_start}:{dead.layer_end}] failed ({exc.code().name}: "
                     f"{exc.details()}); repairing: {stage.address} takes its place, rebuilt from {rebuilt} positions "
