@@ -164,7 +164,8 @@ async def test_the_output_log_is_its_openers_and_only_if_asked(twin):
 
 
 # The process test: two chains of three stages (real processes behind link proxies), the middle stage of the
-# busier chain SIGKILLed mid-stream.
+# busier chain SIGKILLed mid-stream. Repair is built for relay mode (forwarding sessions are replayed), so the
+# router runs with --no-forwarding.
 
 NEW_TOKENS = 40
 
@@ -173,7 +174,7 @@ NEW_TOKENS = 40
 def pm3(tiny_model, tmp_path_factory):
     mesh = FaultMesh(str(tiny_model), tmp_path_factory.mktemp("repair-logs"), chains=2, stages=3, num_layers=8,
                      stage_args=("--kv-cache-gb", "0.02"),
-                     router_args=("--health-interval-s", "0.2", "--step-timeout-s", "5"))
+                     router_args=("--no-forwarding", "--health-interval-s", "0.2", "--step-timeout-s", "5"))
     yield mesh
     mesh.stop()
 
