@@ -17,6 +17,8 @@ from stage_server.quantize import int8_rows, int8_weight_only
 from stage_server.tensor_parallel import rank_args, shard_of
 from stagemesh.checkpoint import ModelArgs, is_linear_weight, stage_sources, weight_files
 
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # --dtype's
+
 # Rope variants whose frequencies do not change with the sequence length.
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 

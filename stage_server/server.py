@@ -16,7 +16,7 @@ from stage_server.batcher import StepBatcher
 from stage_server.compiled import compile_stage, is_compiled, uncompile_stage
 from stage_server.config import StageConfig, max_step_bytes, split_host_port
 from stage_server.kv_pool import KVPool
-from stage_server.loader import load_stage
+from stage_server.loader import TORCH_DTYPES, load_stage
 from stage_server.model import StageModel, StepSlice
 from stage_server.output_log import LogBudget
 from stage_server.quantize import loads_int8_weights, quantize
@@ -35,7 +35,8 @@ from stagemesh.v1 import stage_pb2, stage_pb2_grpc
 
 log = logging.getLogger("stagemesh.stage")
 SERVICE_NAME = stage_pb2.DESCRIPTOR.services_by_name["Stage"].full_name
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -15,12 +15,11 @@ import time
 
 import torch
 
-from stage_server.loader import load_stage
+from stage_server.loader import TORCH_DTYPES, load_stage
 from stage_server.tensor_parallel import WATCH_S, new_group, rank_device, receive_pass, shard_layers
 from stagemesh.log import setup_logging
 
 log = logging.getLogger("stagemesh.stage")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _exit_with_parent(parent_pid: int) -> None:
@@ -36,7 +35,7 @@ def run(spec: dict) -> None:
         torch.set_num_threads(spec["threads"])
     rank, size = spec["rank"], spec["size"]
     device = rank_device(torch.device(spec["device"]), rank)
-    model = load_stage(spec["model"], spec["layer_start"], spec["layer_end"], dtype=DTYPES[spec["dtype"]],
+    model = load_stage(spec["model"], spec["layer_start"], spec["layer_end"], dtype=TORCH_DTYPES[spec["dtype"]],
                        device=device, tp=(rank, size))
     # Rank 0 runs the final norm and LM head on the reduced hidden states; this rank stops after the layers.
     model.is_last, model.norm, model.lm_head = False, None, None

@@ -14,6 +14,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 torch.set_num_threads(2)
 
+from router.chain_client import Chain, ChainSession, Sampling, StageEndpoint  # noqa: E402
 from router.server import RouterConfig, RouterServer  # noqa: E402
 from stage_server.config import StageConfig  # noqa: E402
 from stage_server.server import StageServer  # noqa: E402
@@ -116,6 +117,26 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
         ids = torch.tensor([prompt_ids])
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False)
     return out[0, len(prompt_ids):].tolist()
+
+
+async def stepped_logits(addresses: list[str], ids: list[int], steps: int,
+                         request_id: str) -> tuple[list[int], list[torch.Tensor]]:
+    """Greedy steps on a chain of these stages through a ChainSession, logits asked for: (the new tokens,
+    each step's logits), to hold against transformers' forward pass over prompt + new tokens."""
+    chain = Chain([StageEndpoint(a) for a in addresses])
+    logits, tokens = [], []
+    try:
+        async with ChainSession(chain, max_length=64, request_id=request_id) as session:
+            feed = ids
+            for _ in range(steps):
+                response = await session.step(feed, sampling=Sampling(), return_logits=True)
+                logits.append(response.logits)
+                tokens.append(response.token_id)
+                feed = [response.token_id]
+    finally:
+        for stage in chain.stages:
+            await stage.close()
+    return tokens, logits
 
 
 async def collect(stream) -> tuple[list[int], str, list]:

@@ -11,10 +11,9 @@ import pytest
 import torch
 import torch._inductor.config as inductor_config
 
-from router.chain_client import Chain, ChainSession, Sampling, StageEndpoint
 from stage_server.compiled import is_compiled
 from stagemesh.v1 import router_pb2
-from tests.conftest import FAMILIES, collect, hf_greedy, splits, start_mesh
+from tests.conftest import FAMILIES, collect, hf_greedy, splits, start_mesh, stepped_logits
 from tests.test_exactness import prompt
 
 pytestmark = pytest.mark.compile
@@ -24,17 +23,7 @@ async def greedy_and_logits(mesh, n_tokens: int, ids: list[int]) -> tuple[list[i
     """(router's greedy tokens, per-step logits through a ChainSession, that session's tokens)."""
     got, _, _ = await collect(mesh.router_stub.Generate(router_pb2.GenerateRequest(token_ids=ids,
                                                                                    max_new_tokens=n_tokens)))
-    chain = Chain([StageEndpoint(s.address) for s in mesh.stages[0]])
-    logits, tokens = [], []
-    async with ChainSession(chain, max_length=64, request_id="compile-test") as session:
-        feed = ids
-        for _ in range(6):
-            response = await session.step(feed, sampling=Sampling(), return_logits=True)
-            logits.append(response.logits)
-            tokens.append(response.token_id)
-            feed = [response.token_id]
-    for stage in chain.stages:
-        await stage.close()
+    tokens, logits = await stepped_logits([s.address for s in mesh.stages[0]], ids, 6, "compile-test")
     return got, logits, tokens
 
 

@@ -9,7 +9,7 @@ import torch
 
 from router.chain_client import Chain, ChainSession, Sampling, StageEndpoint
 from stagemesh.v1 import router_pb2
-from tests.conftest import FAMILIES, collect, hf_greedy, splits, start_mesh
+from tests.conftest import FAMILIES, collect, hf_greedy, splits, start_mesh, stepped_logits
 
 LAYOUTS = {
     1: splits(8),
@@ -50,22 +50,13 @@ async def test_greedy_tokens_equal_transformers(meshes, hf_models, family, n_sta
 @pytest.mark.parametrize("n_stages", sorted(LAYOUTS))
 async def test_last_stage_logits_match_transformers(meshes, hf_models, family, n_stages):
     mesh = meshes[family, n_stages]
-    chain = Chain([StageEndpoint(s.address) for s in mesh.stages[0]])
     ids = prompt(16, seed=100 + n_stages)
-    greedy = Sampling()
-    got_logits, tokens = [], list(ids)
-    async with ChainSession(chain, max_length=64, request_id="logits-test") as session:
-        feed = ids
-        for _ in range(8):
-            response = await session.step(feed, sampling=greedy, return_logits=True)
-            got_logits.append(response.logits)
-            tokens.append(response.token_id)
-            feed = [response.token_id]
+    new, got_logits = await stepped_logits([s.address for s in mesh.stages[0]], ids, 8, "logits-test")
+    tokens = ids + new
     with torch.inference_mode():
         ref = hf_models[family](torch.tensor([tokens])).logits[0]  # [len, vocab]
     for k, logits in enumerate(got_logits):
         torch.testing.assert_close(logits, ref[len(ids) - 1 + k], atol=1e-4, rtol=0)
-    await chain.stages[0].close()
 
 
 async def test_long_prompt_is_exact(meshes, hf_models):

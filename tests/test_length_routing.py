@@ -159,9 +159,12 @@ async def test_long_prompts_to_the_tp_chain_and_short_ones_fall_back_when_replic
         busy, held = await kind_serving(stub, SHORT, 2000)
         assert busy == ["replica"]
         fallbacks = routed("short", "fallback")
-        busy, second = await kind_serving(stub, SHORT[:6], 24)
+        # (long enough to be still streaming when the chains are listed, on a machine 10x slower or faster; the
+        # tp chain usable first: on a loaded machine its two ranks may have missed a health check meanwhile)
+        await wait_for_chains(stub, lambda c: len(c) == 2 and all(x.healthy for x in c))
+        busy, second = await kind_serving(stub, SHORT[:6], 200)
         assert sorted(busy) == ["replica", "tp"] and routed("short", "fallback") == fallbacks + 1
-        assert await read_rest(second) == hf_greedy(hf_models["llama"], SHORT[:6], 24)[1:]  # the first was read
+        assert await read_rest(second) == hf_greedy(hf_models["llama"], SHORT[:6], 200)[1:]  # the first was read
         held.cancel()
     finally:
         await mesh.stop()

@@ -8,7 +8,6 @@ import asyncio
 import pytest
 import torch
 
-from router.chain_client import Chain, ChainSession, Sampling, StageEndpoint
 from router.server import RouterConfig, RouterServer
 from stage_server.batcher import BatcherConfig
 from stage_server.config import StageConfig
@@ -16,7 +15,7 @@ from stage_server.server import StageServer
 from stage_server.tensor_parallel import check_tp, rank_args, shard_of
 from stagemesh.checkpoint import ModelArgs, read_config
 from stagemesh.v1 import router_pb2, stage_pb2
-from tests.conftest import FAMILIES, Mesh, collect, hf_greedy
+from tests.conftest import FAMILIES, Mesh, collect, hf_greedy, stepped_logits
 
 LAYOUTS = {  # (layer start, layer end, tp) per stage of the one chain
     "tp2": [(0, 8, 2)],
@@ -75,20 +74,10 @@ async def test_greedy_tokens_equal_transformers(meshes, hf_models, family, layou
 
 @pytest.mark.parametrize(("family", "layout"), CASES)
 async def test_last_stage_logits_match_transformers(meshes, hf_models, family, layout):
-    chain = Chain([StageEndpoint(s.address) for s in meshes[family, layout].stages[0]])
     ids = prompt(16, seed=11)
-    got_logits, tokens = [], list(ids)
-    try:
-        async with ChainSession(chain, max_length=64, request_id="tp-logits") as session:
-            feed = ids
-            for _ in range(8):
-                response = await session.step(feed, sampling=Sampling(), return_logits=True)
-                got_logits.append(response.logits)
-                tokens.append(response.token_id)
-                feed = [response.token_id]
-    finally:
-        for stage in chain.stages:
-            await stage.close()
+    new, got_logits = await stepped_logits([s.address for s in meshes[family, layout].stages[0]], ids, 8,
+                                           "tp-logits")
+    tokens = ids + new
     with torch.inference_mode():
         ref = hf_models[family](torch.tensor([tokens])).logits[0]  # [len, vocab]
     for k, logits in enumerate(got_logits):
