@@ -6,6 +6,7 @@ The output log itself: bounded, freed with its session, readable by the session'
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import time
 
@@ -24,6 +25,7 @@ from tests.test_exactness import prompt
 from tests.test_identity import other_connection
 
 LAYOUT = splits(2, 3, 3)
+NEW_TOKENS = 40
 
 
 def test_output_log_grows_within_its_budget_and_is_freed():
@@ -163,11 +165,32 @@ async def test_the_output_log_is_its_openers_and_only_if_asked(twin):
     assert stage.sessions.log_budget.used_bytes == 0
 
 
+async def test_a_forwarding_stream_is_replayed_exact_and_its_stages_keep_no_logs(tiny_model, hf_models, caplog):
+    """Repair is built for relay mode: a forwarding session (the router's default) asks its stages for no output
+    log, and when its middle stage stops mid-stream the router replays it on the other chain, exact."""
+    caplog.set_level(logging.INFO, logger="stagemesh.router")
+    mesh = await start_mesh(tiny_model, [LAYOUT, LAYOUT])
+    try:
+        ids = prompt(30, seed=90)
+        call = mesh.router_stub.Generate(router_pb2.GenerateRequest(token_ids=ids, max_new_tokens=NEW_TOKENS))
+        got = []
+        while len(got) < 5:
+            got.extend((await call.read()).token_ids)
+        chain = next(c for c in mesh.stages if c[1].sessions.sessions)
+        assert [s.output for s in chain[0].sessions.sessions.values()] == [None]
+        assert all(s.sessions.log_budget.used_bytes == 0 for c in mesh.stages for s in c)
+        await chain[1].stop(0)
+        while (response := await call.read()) is not grpc.aio.EOF:
+            got.extend(response.token_ids)
+        assert got == hf_greedy(hf_models["llama"], ids, NEW_TOKENS)
+        assert "not repairing (forwarding sessions are replayed)" in caplog.text and "replaying" in caplog.text
+    finally:
+        await mesh.stop()
+
+
 # The process test: two chains of three stages (real processes behind link proxies), the middle stage of the
 # busier chain SIGKILLed mid-stream. Repair is built for relay mode (forwarding sessions are replayed), so the
 # router runs with --no-forwarding.
-
-NEW_TOKENS = 40
 
 
 @pytest.fixture(scope="module")
