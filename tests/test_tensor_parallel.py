@@ -114,7 +114,7 @@ async def test_a_session_closed_mid_pass_leaves_the_ranks_in_step(tiny_models, h
     mid-pass: rank 1 received an empty table and died, or rank 0 failed after its broadcast and the ranks hung out
     of step; test_length_routing's cancelled streams hit it on a loaded machine.)"""
     deaths = []  # a rank's death stops the whole stage process (here: pytest's); recorded instead
-    monkeypatch.setattr(tensor_parallel, "_exit_with_stage", lambda rank, code: deaths.append((rank, code)))
+    monkeypatch.setattr(tensor_parallel, "_exit_with_stage", deaths.append)
     mesh = await start_tp_mesh(tiny_models["llama"], [(0, 8, 2)])
     try:
         server = mesh.stages[0][0]
@@ -142,6 +142,37 @@ async def test_a_session_closed_mid_pass_leaves_the_ranks_in_step(tiny_models, h
             router_pb2.GenerateRequest(token_ids=ids, max_new_tokens=8))), 60)
         assert got == hf_greedy(hf_models["llama"], ids, 8)
         assert deaths == [] and all(p.poll() is None for p in server.model.tp_group.ranks)
+    finally:
+        await mesh.stop()
+
+
+async def test_a_pass_that_fails_on_rank_0_after_its_broadcast_stops_the_stage(tiny_models, monkeypatch):
+    """The other ranks are left in that pass's collectives: the next pass finds the ranks out of step and stops the
+    stage as one (as when a rank dies) and fails its step, instead of hanging in a collective."""
+    deaths = []
+    monkeypatch.setattr(tensor_parallel, "_exit_with_stage", deaths.append)
+    mesh = await start_tp_mesh(tiny_models["llama"], [(0, 8, 2)])
+    try:
+        server = mesh.stages[0][0]
+        failed = []
+
+        def fail_once_after_broadcast(model, args):  # runs after the tensor-parallel hook has sent the pass
+            if not failed:
+                failed.append(True)
+                raise RuntimeError("rank 0 only")
+
+        hook = server.model.register_forward_pre_hook(fail_once_after_broadcast)
+        chain = Chain([StageEndpoint(server.address)])
+        try:
+            for ids in (prompt(8, seed=7), prompt(8, seed=8)):
+                async with ChainSession(chain, max_length=64, request_id="out-of-step") as session:
+                    with pytest.raises(grpc.aio.AioRpcError):
+                        await asyncio.wait_for(session.step(ids, sampling=Sampling()), 60)
+        finally:
+            hook.remove()
+            await chain.stages[0].close()
+        assert len(deaths) == 1 and "out of step" in deaths[0]
+        assert all(p.poll() is not None for p in server.model.tp_group.ranks)
     finally:
         await mesh.stop()
 
