@@ -11,7 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import grpc
 import torch
+
+from stagemesh.errors import StatusError
 
 
 class LogBudget:
@@ -82,3 +85,13 @@ class OutputLog:
         if self.rows is not None:
             self.budget.give(self.rows.nbytes)
             self.rows = None
+
+
+def readable(output: OutputLog | None, start: int, end: int, chunk: int) -> Iterator[tuple[int, torch.Tensor]]:
+    """Stage/ReadOutput: (position, rows) of positions start..end-1, chunk rows at a time (0: all at once);
+    FAILED_PRECONDITION when the session's log does not hold them."""
+    if output is None or not output.covers(start, end):
+        raise StatusError(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"this stage holds no output log of positions {start}..{end - 1} for the session (not "
+                          "asked for at open, or dropped for lack of --output-log-gb)")
+    return output.read(start, end, chunk or max(1, end - start))

@@ -16,6 +16,7 @@ from stage_server.batcher import BatcherStopped, OutOfMemory, StepBatcher, StepR
 from stage_server.forwarding import FEED_END, Links, Route
 from stage_server.kv_pool import PoolExhausted
 from stage_server.model import StageModel
+from stage_server.output_log import readable
 from stage_server.sampling import Sampling
 from stage_server.sessions import (
     Session,
@@ -346,12 +347,7 @@ class StageService(stage_pb2_grpc.StageServicer):
 
     async def ReadOutput(self, request, context):
         session = self.sessions.get(request.session_id, caller_of(context))  # only the opener's, else NOT_FOUND
-        output, end = session.output, request.end
-        if output is None or not output.covers(request.start, end):
-            raise StatusError(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"this stage holds no output log of positions {request.start}..{end - 1} for the "
-                              "session (not asked for at open, or dropped for lack of --output-log-gb)")
-        for start, rows in output.read(request.start, end, request.chunk_tokens or max(1, end - request.start)):
+        for start, rows in readable(session.output, request.start, request.end, request.chunk_tokens):
             chunk = stage_pb2.OutputChunk(start=start)
             tensor_codec.encode_hidden_into(chunk.hidden, rows, session.route.wire_dtype)
             yield chunk
