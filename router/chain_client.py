@@ -152,8 +152,10 @@ class ChainSession:
     that may be dead: the streams are cancelled at once and the sessions closed in the background."""
 
     def __init__(self, chain: Chain, max_length: int, request_id: str, deadline: float | None = None,
-                 wire_dtype: str = "", progress: Progress | None = None, sampling: Sampling | None = None):
+                 wire_dtype: str = "", progress: Progress | None = None, sampling: Sampling | None = None,
+                 keep_output: bool = False):
         self.chain = chain
+        self.keep_output = keep_output  # stages log what they send on, so that one stage can be repaired
         self.sampling = sampling or Sampling()  # told the last stage once, at open; a step may ask otherwise
         self.progress = progress or Progress()
         self.wire_dtype = wire_dtype  # how stages send hidden states on ("": their own dtype)
@@ -164,6 +166,10 @@ class ChainSession:
         # show the request id and a short prefix of it only.
         self.session_id = secrets.token_hex(16)
         self.position = 0  # positions already in every stage's cache
+        # Positions in each stage's cache (they differ after a failed step; None: not known, mid-pipeline),
+        # and the stage whose failure ended the last step: what a repair starts from (router/repair.py).
+        self.reached: list[int] | None = [0] * len(chain.stages)
+        self.failed_stage: int | None = None
         self._token_read_at: float | None = None  # when the last token came back, for TOKEN_TURNAROUND
         self._streams: list[grpc.aio.StreamStreamCall] = []
         self._opened: list[StageEndpoint] = []
@@ -183,6 +189,7 @@ class ChainSession:
             request.sampling.CopyFrom(self.sampling.to_pb())
         else:
             request.wire_dtype = self.wire_dtype
+            request.keep_output = self.keep_output
         return request
 
     async def _open(self, index: int) -> None:
@@ -200,11 +207,12 @@ class ChainSession:
             raise
         self._opened.append(stage)
 
+    def _stream(self, stage: StageEndpoint) -> grpc.aio.StreamStreamCall:
+        return stage.stub.Forward(timeout=self._timeout(), metadata=((REQUEST_ID_KEY, self.request_id),))
+
     async def _open_streams(self) -> None:
         for stage in self.chain.stages:
-            self._streams.append(
-                stage.stub.Forward(timeout=self._timeout(), metadata=((REQUEST_ID_KEY, self.request_id),))
-            )
+            self._streams.append(self._stream(stage))
 
     async def __aenter__(self) -> ChainSession:
         try:
@@ -279,7 +287,11 @@ class ChainSession:
                 response = await call.read()
         except asyncio.InvalidStateError:  # the stream had already ended: its status says why
             response = grpc.aio.EOF
+        except grpc.aio.AioRpcError:
+            self.failed_stage = index
+            raise
         except TimeoutError:
+            self.failed_stage = index
             call.cancel()
             metrics.STEP_TIMEOUTS.inc()
             raise stage_error(grpc.StatusCode.UNAVAILABLE, stage,
@@ -288,6 +300,7 @@ class ChainSession:
             code, details = await call.code(), await call.details()
             if code == grpc.StatusCode.OK:
                 code, details = grpc.StatusCode.UNAVAILABLE, "ended the stream"
+            self.failed_stage = index
             raise stage_error(code, stage, details)
         self._answered.add(index)  # it holds the session on this stream: it closes there when the stream ends
         return response
@@ -303,8 +316,10 @@ class ChainSession:
         """Feeds token_ids at the session's position and returns the last stage's answer
         (the next token). With chunk_size > 0 a long input flows through the chain in chunks,
         stage i working on chunk k while stage i-1 works on chunk k+1."""
+        self.failed_stage = None
         response = await self._step(token_ids, sampling, chunk_size, return_logits)
         self.position += len(token_ids)
+        self.reached = [self.position] * len(self.chain.stages)
         self._token_read_at = time.perf_counter()
         return StepResult.from_pb(response)
 
@@ -317,9 +332,11 @@ class ChainSession:
             for i in range(n_stages):
                 request = self._request(i, self.position, tensor, sampling, True, return_logits)
                 response = await self._exchange(i, request, len(token_ids))
+                self.reached[i] = self.position + len(token_ids)
                 tensor = response.hidden
             return response
 
+        self.reached = None  # chunks in flight at several stages: where each stands is not known on a failure
         chunks = [token_ids[i : i + chunk_size] for i in range(0, len(token_ids), chunk_size)]
         queues: list[asyncio.Queue] = [asyncio.Queue() for _ in range(n_stages)]
         start = self.position

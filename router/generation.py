@@ -11,10 +11,11 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from router.chain_client import Progress, Sampling
+from router.chain_client import ChainSession, Progress, Sampling
 from router.chains import ChainSet, NoUsableChain
 from router.detokenizer import IncrementalText
 from router.forwarding import session_class
+from router.repair import Repairs
 from stagemesh import metrics
 from stagemesh.config_flags import refused
 from stagemesh.errors import StatusError
@@ -77,7 +78,13 @@ class GenerationConfig:
     """Prompt tokens per pipelined prefill chunk (0: the whole prompt at once); at most the stages'
     --max-batch-tokens, or each chunk runs alone and holds other sessions' decoding back."""
     max_failovers: int = 3
-    """How many times one request may move to another chain when a stage fails (0: never)."""
+    """How many times one request may move to another chain, or have a stage repaired, when a stage fails
+    (0: never)."""
+    repair: bool = True
+    """When a stage fails mid-stream and another chain has a stage serving the same layers, that stage takes its
+    place and only it is rebuilt, from the previous stage's log of what it sent on (router/repair.py); the
+    stages keep such logs (--output-log-gb) for this. Relay mode only: forwarding sessions ask for no logs and are
+    replayed."""
     wire_dtype: str = field(default="", metadata={"choices": ("", *WIRE_DTYPES)})
     """Hidden states between stages: "" (each stage's own dtype), float32, bfloat16, float16 or int8."""
     step_timeout_s: float = 10.0
@@ -115,6 +122,7 @@ async def generate(
     tried: set[str] = set()  # chains this request failed on (or found full) since it last waited
     failures, last_error = 0, ""
     backoff = Backoff(req.deadline, config.max_full_wait_s)
+    repairs = Repairs(chains, config.repair, req.log_extra())
     max_length = len(req.prompt_ids) + req.max_new_tokens
     while True:
         try:
@@ -130,13 +138,23 @@ async def generate(
         chunk = chain.prefill_chunk(config.prefill_chunk)
         try:
             session_type = session_class(config.forwarding, len(chain.stages))
+            logged = config.repair and session_type is ChainSession  # forwarding sessions are replayed: no logs
             async with session_type(chain, max_length, req.request_id, req.deadline, config.wire_dtype,
-                                    progress, sampling) as session:
+                                    progress, sampling, keep_output=logged) as session:
                 # Everything the chain has not seen yet: the prompt at first (after a failover the
                 # prompt plus all tokens so far), then one token per decode step.
                 feed = req.prompt_ids + generated
                 while True:
-                    token = (await session.step(feed, sampling=sampling, chunk_size=chunk)).token_id
+                    try:
+                        result = await session.step(feed, sampling=sampling, chunk_size=chunk)
+                    except grpc.aio.AioRpcError as exc:  # one stage failed: repaired if it can be, else replayed
+                        if failures >= config.max_failovers or exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                            raise
+                        result = await repairs.step(session, req.prompt_ids + generated, chunk, exc)
+                        if result is None:
+                            raise
+                        failures += 1
+                    token = result.token_id
                     generated.append(token)
                     feed = [token]
                     if token in eos_ids:

@@ -210,18 +210,19 @@ class StepBatcher:
     def _run_isolated(self, batch: list[StepRequest]) -> list[StepResult | Exception]:
         """Runs the pass; if it fails, runs its steps one by one so that only a failing step fails.
         Runs on the compute thread (or, for a lone short decode step, on the event loop)."""
-        try:
-            return self._run_batch(batch)
-        except Exception as exc:
-            if len(batch) == 1:
-                return [self._failed(batch[0], exc)]
-        results: list[StepResult | Exception] = []
-        for req in batch:
+        with batch[0].session.cache.pool.reading(req.session.cache for req in batch):
             try:
-                results.extend(self._run_batch([req]))
+                return self._run_batch(batch)
             except Exception as exc:
-                results.append(self._failed(req, exc))
-        return results
+                if len(batch) == 1:
+                    return [self._failed(batch[0], exc)]
+            results: list[StepResult | Exception] = []
+            for req in batch:
+                try:
+                    results.extend(self._run_batch([req]))
+                except Exception as exc:
+                    results.append(self._failed(req, exc))
+            return results
 
     @staticmethod
     def _failed(req: StepRequest, exc: Exception) -> Exception:

@@ -74,6 +74,10 @@ class StageConfig:
     """The dtype the weights and the KV cache are held in."""
     kv_cache_gb: float | None = None
     """KV cache pool size (default: a quarter of the memory available at start), allocated once, in blocks."""
+    output_log_gb: float = 0.25
+    """Repair: memory for the logs of hidden states this stage sent on, for sessions whose router asked for one
+    (keep_output), so that a stage replacing a dead next stage is rebuilt from them instead of the whole chain
+    being replayed; a session whose log does not fit can only be replayed (0: keep none)."""
     kv_block_size: int = 16
     """Positions per KV block: sessions take blocks as they grow and return them when they end."""
     kv_lookahead_blocks: int = 4
@@ -148,6 +152,8 @@ class StageConfig:
             raise refused(self, "port", PORT_RULE)
         if self.kv_cache_gb is not None and not self.kv_cache_gb > 0:
             raise refused(self, "kv_cache_gb", "must be > 0 GiB (leave it out for a quarter of the available memory)")
+        if not self.output_log_gb >= 0:
+            raise refused(self, "output_log_gb", "must be >= 0 GiB (0: keep no output logs; failover replays)")
         if not 1 <= self.kv_block_size <= 4096:
             raise refused(self, "kv_block_size", "must be 1..4096 positions (16 is ordinary)")
         if not self.kv_lookahead_blocks >= 0:

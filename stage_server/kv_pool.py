@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -79,6 +81,8 @@ class KVPool:
         self.peak_blocks_used = 0
         self._order = itertools.count()
         self._lock = threading.Lock()  # closes come from the event loop, growth from the compute thread
+        self._in_pass: set[int] = set()  # caches the running pass reads, by id(): closed, they keep their blocks
+        self._closed_in_pass: list[SessionCache] = []
         # Per-pass scratch (model.py): gathered K or V of a pass, reused by every layer and pass.
         self.scratch_k = torch.empty(0, dtype=dtype, device=self.device)
         self.scratch_v = torch.empty_like(self.scratch_k)
@@ -150,17 +154,39 @@ class KVPool:
             self.free.extend(reversed(cache.blocks[keep:]))
             del cache.blocks[keep:]
 
-    def _preempt(self, cache: SessionCache) -> None:
+    def _give_back(self, cache: SessionCache) -> None:
         self.free.extend(reversed(cache.blocks))
         cache.blocks.clear()
+
+    def _preempt(self, cache: SessionCache) -> None:
+        self._give_back(cache)
         cache.preempted = True
         self.preemptions += 1
 
     def release(self, cache: SessionCache) -> None:
         with self._lock:
-            if self.caches.pop(id(cache), None) is not None:
-                self.free.extend(reversed(cache.blocks))
-                cache.blocks.clear()
+            if self.caches.pop(id(cache), None) is None:
+                return
+            if id(cache) in self._in_pass:
+                self._closed_in_pass.append(cache)  # its blocks go back when the pass ends
+            else:
+                self._give_back(cache)
+
+    @contextmanager
+    def reading(self, caches: Iterable[SessionCache]) -> Iterator[None]:
+        """While a pass reads these caches' block tables (the compute thread; a tensor-parallel stage also sends
+        them to its ranks), a session closed on the event loop keeps its blocks: every reader of the pass sees one
+        table, and no block goes back to the pool while the pass may still write it."""
+        with self._lock:
+            self._in_pass = {id(c) for c in caches}
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._in_pass = set()
+                for cache in self._closed_in_pass:
+                    self._give_back(cache)
+                self._closed_in_pass.clear()
 
     def slots(self, cache: SessionCache, start: int, end: int) -> list[int]:
         """Pool slots of positions [start, end) of cache."""

@@ -18,6 +18,7 @@ from stage_server.config import StageConfig, max_step_bytes, split_host_port
 from stage_server.kv_pool import KVPool
 from stage_server.loader import TORCH_DTYPES, load_stage
 from stage_server.model import StageModel, StepSlice
+from stage_server.output_log import LogBudget
 from stage_server.quantize import loads_int8_weights, quantize
 from stage_server.sessions import SessionTable, short_id
 from stage_server.stage_service import ERROR_CODES, StageService
@@ -96,6 +97,10 @@ class StageSlot(stage_pb2_grpc.StageServicer):
 
     async def Info(self, request, context):
         return await self._service().Info(request, context)
+
+    async def ReadOutput(self, request, context):
+        async for chunk in self._service().ReadOutput(request, context):
+            yield chunk
 
 
 def _scratch_passes(model: StageModel, pool: KVPool, lengths: tuple[int, ...]) -> None:
@@ -212,7 +217,7 @@ class StageServer:
         model.load_s += warm_s  # the cold start: load, then warm-up (and compilation) before serving
         log.info(f"warm-up in {warm_s * 1000:.0f} ms{compiled}; cold start {model.load_s:.2f}s before serving",
                  extra={"stage": self.address})
-        self.sessions = SessionTable(self.pool, args.max_position)
+        self.sessions = SessionTable(self.pool, args.max_position, LogBudget(int(config.output_log_gb * 2**30)))
         self.batcher = StepBatcher(model, config.batcher)
         self.batcher.start()
         self.model = model

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from stage_server.forwarding import Route
 from stage_server.kv_pool import KVPool, SessionCache
+from stage_server.output_log import LogBudget, OutputLog
 
 LOGGED_ID_CHARS = 8
 """How much of a session id logs show: enough to follow a session, never enough to use it (the id is
@@ -48,17 +49,20 @@ class Session:
     closed: bool = False
     route: Route = field(default_factory=Route)
     """Forwarding: where its output goes, what it was told at open, where its router hears from it."""
+    output: OutputLog | None = None
+    """Repair: the hidden states it sent on (opened with keep_output, on a stage with a next stage)."""
 
 
 class SessionTable:
-    def __init__(self, pool: KVPool, max_position: int):
+    def __init__(self, pool: KVPool, max_position: int, log_budget: LogBudget | None = None):
         self.pool = pool
+        self.log_budget = log_budget or LogBudget(0)  # what the sessions' output logs may hold together
         self.max_position = max_position
         self.sessions: dict[str, Session] = {}
         self.open_attempts = 0  # refused ones too: how hard callers press on this stage
 
     def open(self, session_id: str, max_length: int, request_id: str = "", owner: str = "",
-             route: Route | None = None) -> Session:
+             route: Route | None = None, keep_output: bool = False) -> Session:
         self.open_attempts += 1
         if not session_id:
             raise SessionError("session_id is empty; choose a unique id per session")
@@ -69,7 +73,8 @@ class SessionTable:
                 f"max_length {max_length} is outside 1..{self.max_position} (the model's context)"
             )
         cache = self.pool.allocate(max_length)  # raises PoolExhausted
-        session = Session(session_id, request_id, cache, owner, route=route or Route())
+        session = Session(session_id, request_id, cache, owner, route=route or Route(),
+                          output=OutputLog(self.log_budget) if keep_output else None)
         self.sessions[session_id] = session
         return session
 
@@ -107,6 +112,8 @@ class SessionTable:
         del self.sessions[session_id]
         session.closed = True
         self.pool.release(session.cache)
+        if session.output is not None:
+            session.output.drop()
         return True
 
     def expire_idle(self, timeout_s: float, unstepped_timeout_s: float | None = None) -> list[str]:

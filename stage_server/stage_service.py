@@ -16,6 +16,7 @@ from stage_server.batcher import BatcherStopped, OutOfMemory, StepBatcher, StepR
 from stage_server.forwarding import FEED_END, Links, Route
 from stage_server.kv_pool import PoolExhausted
 from stage_server.model import StageModel
+from stage_server.output_log import readable
 from stage_server.sampling import Sampling
 from stage_server.sessions import (
     Session,
@@ -103,7 +104,8 @@ class StageService(stage_pb2_grpc.StageServicer):
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "the last stage has no next stage to forward to")
         route = Route(request.next_address, request.next_key, request.upstream_key, sampling, request.wire_dtype,
                       request.previous_address)
-        self.sessions.open(request.session_id, request.max_length, request_id, caller_of(context), route)
+        self.sessions.open(request.session_id, request.max_length, request_id, caller_of(context), route,
+                           keep_output=request.keep_output and not self.model.is_last)
         log.info("session opened", extra=self._extra(request.session_id, request_id))
         return stage_pb2.OpenSessionResponse(session_id=request.session_id)
 
@@ -188,6 +190,8 @@ class StageService(stage_pb2_grpc.StageServicer):
         self.batcher.timing.since("wire_decode", t0, decode)
         result = await self.batcher.submit(step)
         self.batcher.timing.decode_steps += decode
+        if session.output is not None:
+            session.output.append(request.start, result.hidden)
         return result, decode
 
     def _response(self, session: Session, result: StepResult, wire_dtype: str = "") -> stage_pb2.ForwardResponse:
@@ -341,6 +345,13 @@ class StageService(stage_pb2_grpc.StageServicer):
                 sampling = session.route.sampling or Sampling()  # as told at open; greedy if not
         return StepRequest(session, request.start, inputs, sampling, request.return_logits)
 
+    async def ReadOutput(self, request, context):
+        session = self.sessions.get(request.session_id, caller_of(context))  # only the opener's, else NOT_FOUND
+        for start, rows in readable(session.output, request.start, request.end, request.chunk_tokens):
+            chunk = stage_pb2.OutputChunk(start=start)
+            tensor_codec.encode_hidden_into(chunk.hidden, rows, session.route.wire_dtype)
+            yield chunk
+
     async def Info(self, request, context):
         model, args = self.model, self.model.args
         weight_bytes = sum(p.nbytes for p in model.parameters())
@@ -374,4 +385,6 @@ class StageService(stage_pb2_grpc.StageServicer):
             decode_phase_seconds=self.batcher.timing.decode_seconds,
             decode_steps=self.batcher.timing.decode_steps,
             tp_size=model.tp_group.size if model.tp_group else 1,
+            output_log_bytes=self.sessions.log_budget.used_bytes,
+            output_logs_dropped=self.sessions.log_budget.dropped,
         )

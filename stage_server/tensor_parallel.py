@@ -16,7 +16,9 @@ other ranks (stage_server/tp_worker.py) run the same forward on their shards and
 
 Failure: a rank that dies takes the stage down as one. Rank 0 watches its ranks' processes and, when
 one exits, kills the others and exits itself (its registration lapses; routers fail over); a rank whose
-rank 0 dies exits (it watches its parent, and its collectives fail when rank 0's sockets close).
+rank 0 dies exits (it watches its parent, and its collectives fail when rank 0's sockets close). So does
+a pass that fails on rank 0 after its broadcast (the other ranks wait in its collectives): the next pass
+finds the ranks out of step and stops the stage, instead of hanging.
 """
 
 from __future__ import annotations
@@ -197,7 +199,7 @@ class TPGroup:
     (a forward pre-hook on its model) and watches them."""
 
     def __init__(self, spec: dict, device: torch.device,
-                 on_rank_death: Callable[[int, int], None] | None = None):
+                 on_rank_death: Callable[[str], None] | None = None):
         """spec: what every rank loads (stage_server/tp_worker.py); spec["size"] ranks in all."""
         self.size, self.device = spec["size"], device
         self.backend = backend_for(device)
@@ -207,6 +209,7 @@ class TPGroup:
                                    wait_for_workers=False)
         self.closing = False
         self.group = None
+        self.pass_open = False  # a pass was broadcast and rank 0's forward of it has not ended
         root = str(Path(__file__).resolve().parents[1])
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
         self.ranks = [
@@ -226,14 +229,30 @@ class TPGroup:
         self.group = _group(self.backend, self.store, 0, self.size)
         shard_layers(model, self.group)
         model.register_forward_pre_hook(self._before_pass)
+        model.register_forward_hook(self._after_pass)
         model.tp_group = self
 
     def _before_pass(self, model: nn.Module, args: tuple) -> tuple:
         inputs, steps = args
+        if self.pass_open:
+            self._out_of_step()
         if inputs.dim() == 2:
             inputs = inputs.to(model.dtype)  # as the ranks receive it (the model's own cast is then a no-op)
+        self.pass_open = True
         send_pass(self.group, inputs, steps, self.wire)
         return inputs, steps
+
+    def _after_pass(self, model: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        self.pass_open = False
+
+    def _out_of_step(self) -> None:
+        """The last pass failed on rank 0 after its broadcast: the other ranks wait in one of its collectives,
+        and no later pass can line up with theirs. The stage goes down as one, as when a rank dies."""
+        self.closing = True
+        self._kill()
+        self.on_rank_death("a pass failed on tensor-parallel rank 0 after it was sent to the other ranks (they are "
+                           "out of step)")
+        raise RuntimeError("the tensor-parallel ranks are out of step; the stage is stopping")
 
     def _watch(self) -> None:
         while not self.closing:
@@ -242,7 +261,7 @@ class TPGroup:
                 if code is not None and not self.closing:
                     self.closing = True
                     self._kill()
-                    self.on_rank_death(rank, code)
+                    self.on_rank_death(f"tensor-parallel rank {rank} exited (code {code})")
                     return
             time.sleep(WATCH_S)
 
@@ -262,8 +281,9 @@ class TPGroup:
         self._kill()
 
 
-def _exit_with_stage(rank: int, code: int) -> None:
-    """A rank died: the stage goes down as one (no half-alive stage); a supervisor may start it again."""
-    log.error(f"tensor-parallel rank {rank} exited (code {code}): stopping the whole stage")
+def _exit_with_stage(why: str) -> None:
+    """A rank died, or the ranks are out of step: the stage goes down as one (no half-alive stage); a supervisor
+    may start it again."""
+    log.error(f"{why}: stopping the whole stage")
     logging.shutdown()
     os._exit(1)

@@ -31,6 +31,8 @@ TOKEN_TURNAROUND = Histogram(
     "The router's share of a decode step: from the last stage's token read to the next step written to the first "
     "stage (the caller's copy of the token is sent in between)", buckets=OVERHEAD_BUCKETS)
 FAILOVERS = Counter("stagemesh_router_failovers_total", "Streams moved to another chain after a stage failed")
+REPAIRS = Counter("stagemesh_router_repairs_total",
+                  "Streams kept on their chain after a stage failed, another stage taking its place (rebuilt alone)")
 STEP_TIMEOUTS = Counter("stagemesh_router_step_timeouts_total",
                         "Stage answers that did not come within the progress timeout (hung or unreachable stage)")
 AUTH_REFUSED = Counter("stagemesh_router_auth_refused_total",

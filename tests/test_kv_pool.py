@@ -77,6 +77,20 @@ def test_a_dry_pool_preempts_the_newest_session():
     assert p.blocks_used == 0
 
 
+def test_a_session_closed_while_a_pass_reads_it_keeps_its_blocks_till_the_pass_ends():
+    p = pool(4)
+    a, b = p.allocate(64), p.allocate(64)
+    p.grow(a, 8)
+    table = list(a.blocks)
+    with p.reading([a]):
+        p.release(a)  # its stream ended on the event loop, mid-pass
+        p.release(b)  # not in the pass: at once
+        assert a.blocks == table and p.blocks_used == 2 and not p.grow(p.allocate(64), 8)  # none of a's given out
+        with pytest.raises(PoolExhausted, match="closed"):
+            p.grow(a, 12)
+    assert not a.blocks and p.blocks_used == 2  # the third session's
+
+
 # --- batched attention over the pool, in process, against transformers -------------------------------
 
 

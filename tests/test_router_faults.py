@@ -126,11 +126,11 @@ async def test_session_faults_move_the_stream_without_marking_the_chain_down(tin
         real_open = mesh.stages[0][1].sessions.open
         failed = []
 
-        def open_once_lost(session_id, *args):
+        def open_once_lost(session_id, *args, **kwargs):
             if not failed:
                 failed.append(session_id)
                 raise UnknownSession("lost")
-            return real_open(session_id, *args)
+            return real_open(session_id, *args, **kwargs)
 
         mesh.router.chains.chains[1].healthy = False  # start on chain 0, whose stage 1 loses the session
         monkeypatch.setattr(mesh.stages[0][1].sessions, "open", open_once_lost)

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
 import pytest
 import torch
 
+from router.chain_client import Chain, ChainSession, Sampling, StageEndpoint
 from router.server import RouterConfig, RouterServer
+from stage_server import tensor_parallel
 from stage_server.batcher import BatcherConfig
 from stage_server.config import StageConfig
 from stage_server.server import StageServer
@@ -102,6 +105,76 @@ async def test_stage_reports_its_tp_width(meshes):
     info = await meshes["llama", "tp2+plain"].stage_stub(0, 0).Info(stage_pb2.InfoRequest())
     assert info.tp_size == 2
     assert len(stage.model.tp_group.pids) == 1
+
+
+async def test_a_session_closed_mid_pass_leaves_the_ranks_in_step(tiny_models, hf_models, monkeypatch):
+    """A caller's stream ends, and its session closes on the event loop, while the session's step is in a pass on
+    the compute thread: the pass keeps the session's blocks until it ends, so rank 0 and the ranks it drives read
+    the same block table, and the stage serves the next request exactly. (Its blocks had gone back to the pool
+    mid-pass: rank 1 received an empty table and died, or rank 0 failed after its broadcast and the ranks hung out
+    of step; test_length_routing's cancelled streams hit it on a loaded machine.)"""
+    deaths = []  # a rank's death stops the whole stage process (here: pytest's); recorded instead
+    monkeypatch.setattr(tensor_parallel, "_exit_with_stage", deaths.append)
+    mesh = await start_tp_mesh(tiny_models["llama"], [(0, 8, 2)])
+    try:
+        server = mesh.stages[0][0]
+        closed = []
+
+        def close_in_pass(model, args):  # runs first in the pass: the close lands after the batcher's grow
+            if not closed:
+                cache = args[1][0].cache
+                closed.extend(s.session_id for s in list(server.sessions.sessions.values()) if s.cache is cache)
+                server.sessions.close(closed[0])
+
+        hook = server.model.register_forward_pre_hook(close_in_pass, prepend=True)
+        chain = Chain([StageEndpoint(server.address)])
+        try:
+            async with ChainSession(chain, max_length=64, request_id="closed-mid-pass") as session:
+                await asyncio.wait_for(session.step(prompt(20, seed=5), sampling=Sampling()), 60)
+        except grpc.aio.AioRpcError:
+            pass  # its session is gone: the step may fail, but only it
+        finally:
+            hook.remove()
+            await chain.stages[0].close()
+        assert len(closed) == 1
+        ids = prompt(12, seed=6)
+        got, _, _ = await asyncio.wait_for(collect(mesh.router_stub.Generate(
+            router_pb2.GenerateRequest(token_ids=ids, max_new_tokens=8))), 60)
+        assert got == hf_greedy(hf_models["llama"], ids, 8)
+        assert deaths == [] and all(p.poll() is None for p in server.model.tp_group.ranks)
+    finally:
+        await mesh.stop()
+
+
+async def test_a_pass_that_fails_on_rank_0_after_its_broadcast_stops_the_stage(tiny_models, monkeypatch):
+    """The other ranks are left in that pass's collectives: the next pass finds the ranks out of step and stops the
+    stage as one (as when a rank dies) and fails its step, instead of hanging in a collective."""
+    deaths = []
+    monkeypatch.setattr(tensor_parallel, "_exit_with_stage", deaths.append)
+    mesh = await start_tp_mesh(tiny_models["llama"], [(0, 8, 2)])
+    try:
+        server = mesh.stages[0][0]
+        failed = []
+
+        def fail_once_after_broadcast(model, args):  # runs after the tensor-parallel hook has sent the pass
+            if not failed:
+                failed.append(True)
+                raise RuntimeError("rank 0 only")
+
+        hook = server.model.register_forward_pre_hook(fail_once_after_broadcast)
+        chain = Chain([StageEndpoint(server.address)])
+        try:
+            for ids in (prompt(8, seed=7), prompt(8, seed=8)):
+                async with ChainSession(chain, max_length=64, request_id="out-of-step") as session:
+                    with pytest.raises(grpc.aio.AioRpcError):
+                        await asyncio.wait_for(session.step(ids, sampling=Sampling()), 60)
+        finally:
+            hook.remove()
+            await chain.stages[0].close()
+        assert len(deaths) == 1 and "out of step" in deaths[0]
+        assert all(p.poll() is not None for p in server.model.tp_group.ranks)
+    finally:
+        await mesh.stop()
 
 
 def test_shards_cover_each_tensor_once(tiny_model):

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("session_id", "max_length", "request_id", "next_address", "next_key", "upstream_key", "sampling", "wire_dtype", "previous_address")
+    __slots__ = ("session_id", "max_length", "request_id", "next_address", "next_key", "upstream_key", "sampling", "wire_dtype", "previous_address", "keep_output")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_LENGTH_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class OpenSessionRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     PREVIOUS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    KEEP_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     max_length: int
     request_id: str
@@ -27,7 +28,8 @@ class OpenSessionRequest(_message.Message):
     sampling: SamplingParams
     wire_dtype: str
     previous_address: str
-    def __init__(self, session_id: _Optional[str] = ..., max_length: _Optional[int] = ..., request_id: _Optional[str] = ..., next_address: _Optional[str] = ..., next_key: _Optional[str] = ..., upstream_key: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., wire_dtype: _Optional[str] = ..., previous_address: _Optional[str] = ...) -> None: ...
+    keep_output: bool
+    def __init__(self, session_id: _Optional[str] = ..., max_length: _Optional[int] = ..., request_id: _Optional[str] = ..., next_address: _Optional[str] = ..., next_key: _Optional[str] = ..., upstream_key: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., wire_dtype: _Optional[str] = ..., previous_address: _Optional[str] = ..., keep_output: _Optional[bool] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
     __slots__ = ("session_id",)
@@ -103,12 +105,32 @@ class ForwardResponse(_message.Message):
     logits: _tensor_pb2.Tensor
     def __init__(self, session_id: _Optional[str] = ..., hidden: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., token_id: _Optional[int] = ..., logits: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
+class ReadOutputRequest(_message.Message):
+    __slots__ = ("session_id", "start", "end", "chunk_tokens")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    start: int
+    end: int
+    chunk_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., chunk_tokens: _Optional[int] = ...) -> None: ...
+
+class OutputChunk(_message.Message):
+    __slots__ = ("start", "hidden")
+    START_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    hidden: _tensor_pb2.Tensor
+    def __init__(self, start: _Optional[int] = ..., hidden: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
+
 class InfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class StageInfo(_message.Message):
-    __slots__ = ("model", "family", "layer_start", "layer_end", "num_layers", "is_first", "is_last", "dtype", "device", "hidden_size", "vocab_size", "max_position", "weight_bytes", "peak_rss_bytes", "open_sessions", "kv_used_bytes", "kv_capacity_bytes", "queued_steps", "step_ms", "load_s", "max_batch_tokens", "fingerprint", "kv_block_size", "kv_blocks_used", "kv_blocks_total", "kv_preemptions", "decode_phase_seconds", "decode_steps", "tp_size")
+    __slots__ = ("model", "family", "layer_start", "layer_end", "num_layers", "is_first", "is_last", "dtype", "device", "hidden_size", "vocab_size", "max_position", "weight_bytes", "peak_rss_bytes", "open_sessions", "kv_used_bytes", "kv_capacity_bytes", "queued_steps", "step_ms", "load_s", "max_batch_tokens", "fingerprint", "kv_block_size", "kv_blocks_used", "kv_blocks_total", "kv_preemptions", "decode_phase_seconds", "decode_steps", "tp_size", "output_log_bytes", "output_logs_dropped")
     class DecodePhaseSecondsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -145,6 +167,8 @@ class StageInfo(_message.Message):
     DECODE_PHASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     DECODE_STEPS_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_LOG_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_LOGS_DROPPED_FIELD_NUMBER: _ClassVar[int]
     model: str
     family: str
     layer_start: int
@@ -174,4 +198,6 @@ class StageInfo(_message.Message):
     decode_phase_seconds: _containers.ScalarMap[str, float]
     decode_steps: int
     tp_size: int
-    def __init__(self, model: _Optional[str] = ..., family: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_layers: _Optional[int] = ..., is_first: _Optional[bool] = ..., is_last: _Optional[bool] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_position: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., peak_rss_bytes: _Optional[int] = ..., open_sessions: _Optional[int] = ..., kv_used_bytes: _Optional[int] = ..., kv_capacity_bytes: _Optional[int] = ..., queued_steps: _Optional[int] = ..., step_ms: _Optional[float] = ..., load_s: _Optional[float] = ..., max_batch_tokens: _Optional[int] = ..., fingerprint: _Optional[str] = ..., kv_block_size: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_preemptions: _Optional[int] = ..., decode_phase_seconds: _Optional[_Mapping[str, float]] = ..., decode_steps: _Optional[int] = ..., tp_size: _Optional[int] = ...) -> None: ...
+    output_log_bytes: int
+    output_logs_dropped: int
+    def __init__(self, model: _Optional[str] = ..., family: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_layers: _Optional[int] = ..., is_first: _Optional[bool] = ..., is_last: _Optional[bool] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_position: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., peak_rss_bytes: _Optional[int] = ..., open_sessions: _Optional[int] = ..., kv_used_bytes: _Optional[int] = ..., kv_capacity_bytes: _Optional[int] = ..., queued_steps: _Optional[int] = ..., step_ms: _Optional[float] = ..., load_s: _Optional[float] = ..., max_batch_tokens: _Optional[int] = ..., fingerprint: _Optional[str] = ..., kv_block_size: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_preemptions: _Optional[int] = ..., decode_phase_seconds: _Optional[_Mapping[str, float]] = ..., decode_steps: _Optional[int] = ..., tp_size: _Optional[int] = ..., output_log_bytes: _Optional[int] = ..., output_logs_dropped: _Optional[int] = ...) -> None: ...

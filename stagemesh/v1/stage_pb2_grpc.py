@@ -78,6 +78,11 @@ class StageStub:
                 request_serializer=stagemesh_dot_v1_dot_stage__pb2.InfoRequest.SerializeToString,
                 response_deserializer=stagemesh_dot_v1_dot_stage__pb2.StageInfo.FromString,
                 _registered_method=True)
+        self.ReadOutput = channel.unary_stream(
+                '/stagemesh.v1.Stage/ReadOutput',
+                request_serializer=stagemesh_dot_v1_dot_stage__pb2.ReadOutputRequest.SerializeToString,
+                response_deserializer=stagemesh_dot_v1_dot_stage__pb2.OutputChunk.FromString,
+                _registered_method=True)
 
 
 class StageServicer:
@@ -150,6 +155,18 @@ class StageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReadOutput(self, request, context):
+        """Repair: the hidden states this stage sent on for positions [start, end) of a session opened with
+        keep_output (its output log), in order, in chunks of at most chunk_tokens positions, encoded in the
+        session's wire dtype. A router sends them to the stage that takes the place of this stage's dead next
+        stage, which rebuilds its KV cache from them. Only the session's opener may read it (else NOT_FOUND);
+        FAILED_PRECONDITION when the log does not hold those positions (not kept, or dropped for lack of
+        --output-log-gb).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -177,6 +194,11 @@ def add_StageServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=stagemesh_dot_v1_dot_stage__pb2.InfoRequest.FromString,
                     response_serializer=stagemesh_dot_v1_dot_stage__pb2.StageInfo.SerializeToString,
+            ),
+            'ReadOutput': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadOutput,
+                    request_deserializer=stagemesh_dot_v1_dot_stage__pb2.ReadOutputRequest.FromString,
+                    response_serializer=stagemesh_dot_v1_dot_stage__pb2.OutputChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -333,6 +355,33 @@ class Stage:
             '/stagemesh.v1.Stage/Info',
             stagemesh_dot_v1_dot_stage__pb2.InfoRequest.SerializeToString,
             stagemesh_dot_v1_dot_stage__pb2.StageInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadOutput(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/stagemesh.v1.Stage/ReadOutput',
+            stagemesh_dot_v1_dot_stage__pb2.ReadOutputRequest.SerializeToString,
+            stagemesh_dot_v1_dot_stage__pb2.OutputChunk.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,260 @@
+"""Repair: when one stage of a chain dies mid-stream, another chain's stage of the same layers takes its place
+and only it is rebuilt, from the previous stage's output log; the stream goes on exact (tokens identical to
+transformers, logits within 1e-4), the stages after it keep their KV caches, and every session is closed after.
+The output log itself: bounded, freed with its session, readable by the session's opener only."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+
+import grpc
+import pytest
+import torch
+
+from router import repair
+from router.chain_client import Chain, ChainSession, Sampling, StageEndpoint
+from stage_server.output_log import LogBudget, OutputLog
+from stagemesh import grpc_server, tensor_codec
+from stagemesh.fault_mesh import FaultMesh
+from stagemesh.v1 import router_pb2, router_pb2_grpc, stage_pb2, stage_pb2_grpc
+from tests.conftest import hf_greedy, splits, start_mesh
+from tests.test_exactness import prompt
+from tests.test_identity import other_connection
+
+LAYOUT = splits(2, 3, 3)
+NEW_TOKENS = 40
+
+
+def test_output_log_grows_within_its_budget_and_is_freed():
+    budget = LogBudget(64 * 4 * 4)  # 64 rows of 4 float32
+    log = OutputLog(budget)
+    log.append(0, torch.arange(12.0).view(3, 4))
+    log.append(3, torch.ones(20, 4))
+    assert log.length == 23 and log.covers(0, 23) and not log.covers(0, 24)
+    assert [(a, r.shape[0]) for a, r in log.read(0, 23, 10)] == [(0, 10), (10, 10), (20, 3)]
+    assert torch.equal(next(log.read(1, 2, 5))[1], torch.tensor([[4.0, 5, 6, 7]]))
+    held = budget.used_bytes
+    assert 0 < held <= budget.capacity_bytes
+    log.append(23, torch.ones(100, 4))  # past the budget: the log is given up, its bytes returned
+    assert log.lost and not log.covers(0, 1) and budget.used_bytes == 0 and budget.dropped == 1
+    other = OutputLog(budget)
+    other.append(0, torch.ones(2, 4))
+    other.append(5, torch.ones(1, 4))  # a gap: useless for a rebuild, dropped
+    assert other.lost and budget.used_bytes == 0
+
+
+@pytest.fixture(scope="module")
+async def twin(tiny_model):
+    """Two chains of the same three ranges, in this process."""
+    mesh = await start_mesh(tiny_model, [LAYOUT, LAYOUT], router=False)
+    yield mesh
+    await mesh.stop()
+
+
+def endpoints(servers) -> list[StageEndpoint]:
+    return [StageEndpoint(s.address, a, b) for s, (a, b) in zip(servers, LAYOUT, strict=True)]
+
+
+@pytest.mark.parametrize("dead", [0, 1, 2])
+@pytest.mark.parametrize("failed_at", ["prefill", "decode"])
+async def test_a_repaired_chain_continues_exact(tiny_model, hf_models, dead, failed_at):
+    """Stage `dead` of chain A stops; chain B's stage of that range takes its place. Tokens and logits of the
+    step that failed and of those after it equal transformers'; stages after the new one kept their caches."""
+    mesh = await start_mesh(tiny_model, [LAYOUT, LAYOUT], router=False)
+    try:
+        chain = Chain(endpoints(mesh.stages[0]))
+        spare = endpoints(mesh.stages[1])[dead]
+        ids = prompt(40, seed=70 + dead)
+        tokens, got = list(ids), []
+        async with ChainSession(chain, max_length=128, request_id="repair-test", keep_output=True) as session:
+            feed = ids
+            for k in range(12):
+                if k == (0 if failed_at == "prefill" else 5):
+                    after = [mesh.stages[0][j].sessions.sessions[session.session_id].cache for j in range(dead + 1, 3)]
+                    await mesh.stages[0][dead].stop(0)
+                    with pytest.raises(grpc.aio.AioRpcError):  # one chunk: a pipelined prefill is replayed
+                        await session.step(feed, sampling=Sampling(), return_logits=True)
+                    assert session.failed_stage == dead
+                    result = await repair.repair(session, spare, tokens, 16, return_logits=True)
+                    for j, cache in zip(range(dead + 1, 3), after, strict=True):  # the same cache, grown
+                        assert mesh.stages[0][j].sessions.sessions[session.session_id].cache is cache
+                        assert cache.length == len(tokens)
+                else:
+                    result = await session.step(feed, sampling=Sampling(), chunk_size=16, return_logits=True)
+                got.append(result.logits)
+                tokens.append(result.token_id)
+                feed = [result.token_id]
+        with torch.inference_mode():
+            ref = hf_models["llama"](torch.tensor([tokens])).logits[0]
+        for k, logits in enumerate(got):
+            torch.testing.assert_close(logits, ref[len(ids) - 1 + k], atol=1e-4, rtol=0)
+        assert tokens[len(ids):] == hf_greedy(hf_models["llama"], ids, 12)
+        await asyncio.sleep(0.3)  # the closes go out in the background
+        live = [s for c in mesh.stages for s in c if s is not mesh.stages[0][dead]]
+        assert [len(s.sessions) for s in live] == [0] * 5
+        assert all(s.sessions.log_budget.used_bytes == 0 for s in live)
+    finally:
+        await mesh.stop()
+
+
+async def test_rebuilt_kv_equals_the_stepped_kv(twin):
+    """A stage rebuilt by prefill of the logged inputs holds the same K/V as the stage that took them one
+    decode step at a time (up to float rounding)."""
+    a, b = twin.stages[0], twin.stages[1]
+    session = ChainSession(Chain(endpoints(a)), max_length=64, request_id="kv-test", keep_output=True)
+    async with session:
+        feed = prompt(10, seed=5)
+        history = list(feed)
+        for _ in range(6):
+            token = (await session.step(feed, sampling=Sampling())).token_id
+            history.append(token)
+            feed = [token]
+        fed = session.position  # every stage holds positions 0..fed-1; history's last token is not fed yet
+        session.failed_stage, session.reached = 1, [fed] * 3
+        k_old, v_old = _kv(a[1].sessions.pool, a[1].sessions.sessions[session.session_id].cache, fed)
+        await repair.repair(session, endpoints(b)[1], history, 4)  # b[1] rebuilt, then the last token goes through
+        new = b[1].sessions.sessions[session.session_id].cache
+        assert new.length == fed + 1
+        k_new, v_new = _kv(b[1].sessions.pool, new, fed)
+        torch.testing.assert_close(k_new, k_old, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(v_new, v_old, atol=1e-5, rtol=1e-5)
+
+
+def _kv(pool, cache, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A session's K and V of positions 0..n-1, from the pool: [layers, kv_heads, n, head_dim] each."""
+    slots = torch.tensor([cache.blocks[p // pool.block_size] * pool.block_size + p % pool.block_size
+                          for p in range(n)])
+    return pool.k[:, :, slots], pool.v[:, :, slots]
+
+
+async def test_the_output_log_is_its_openers_and_only_if_asked(twin):
+    stage = twin.stages[0][0]
+    keep = stage_pb2.OpenSessionRequest(session_id="log-owner", max_length=32, keep_output=True)
+    plain = stage_pb2.OpenSessionRequest(session_id="log-none", max_length=32)
+    stub = twin.stage_stub(0, 0)
+    await stub.OpenSession(keep)
+    await stub.OpenSession(plain)
+    ids = stage_pb2.ForwardRequest(start=0, token_ids=tensor_codec.encode_ids([5, 6, 7]))
+    call = stub.Forward()
+    for sid in ("log-owner", "log-none"):
+        ids.session_id = sid
+        await call.write(ids)
+        await call.read()
+    chunks = [c async for c in stub.ReadOutput(stage_pb2.ReadOutputRequest(session_id="log-owner", end=3,
+                                                                            chunk_tokens=2))]
+    assert [(c.start, list(c.hidden.shape)) for c in chunks] == [(0, [2, 256]), (2, [1, 256])]
+    assert (await stub.Info(stage_pb2.InfoRequest())).output_log_bytes > 0
+    with pytest.raises(grpc.aio.AioRpcError) as none:
+        [c async for c in stub.ReadOutput(stage_pb2.ReadOutputRequest(session_id="log-none", end=3))]
+    assert none.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    with pytest.raises(grpc.aio.AioRpcError) as past:
+        [c async for c in stub.ReadOutput(stage_pb2.ReadOutputRequest(session_id="log-owner", end=4))]
+    assert past.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    stranger = other_connection(stage.address)
+    with pytest.raises(grpc.aio.AioRpcError) as foreign:
+        [c async for c in stranger.ReadOutput(stage_pb2.ReadOutputRequest(session_id="log-owner", end=3))]
+    assert foreign.value.code() == grpc.StatusCode.NOT_FOUND
+    call.cancel()
+    for _ in range(100):
+        if not stage.sessions.sessions:
+            break
+        await asyncio.sleep(0.02)
+    assert stage.sessions.log_budget.used_bytes == 0
+
+
+async def test_a_forwarding_stream_is_replayed_exact_and_its_stages_keep_no_logs(tiny_model, hf_models, caplog):
+    """Repair is built for relay mode: a forwarding session (the router's default) asks its stages for no output
+    log, and when its middle stage stops mid-stream the router replays it on the other chain, exact."""
+    caplog.set_level(logging.INFO, logger="stagemesh.router")
+    mesh = await start_mesh(tiny_model, [LAYOUT, LAYOUT])
+    try:
+        ids = prompt(30, seed=90)
+        call = mesh.router_stub.Generate(router_pb2.GenerateRequest(token_ids=ids, max_new_tokens=NEW_TOKENS))
+        got = []
+        while len(got) < 5:
+            got.extend((await call.read()).token_ids)
+        chain = next(c for c in mesh.stages if c[1].sessions.sessions)
+        assert [s.output for s in chain[0].sessions.sessions.values()] == [None]
+        assert all(s.sessions.log_budget.used_bytes == 0 for c in mesh.stages for s in c)
+        await chain[1].stop(0)
+        while (response := await call.read()) is not grpc.aio.EOF:
+            got.extend(response.token_ids)
+        assert got == hf_greedy(hf_models["llama"], ids, NEW_TOKENS)
+        assert "not repairing (forwarding sessions are replayed)" in caplog.text and "replaying" in caplog.text
+    finally:
+        await mesh.stop()
+
+
+# The process test: two chains of three stages (real processes behind link proxies), the middle stage of the
+# busier chain SIGKILLed mid-stream. Repair is built for relay mode (forwarding sessions are replayed), so the
+# router runs with --no-forwarding.
+
+
+@pytest.fixture(scope="module")
+def pm3(tiny_model, tmp_path_factory):
+    mesh = FaultMesh(str(tiny_model), tmp_path_factory.mktemp("repair-logs"), chains=2, stages=3, num_layers=8,
+                     stage_args=("--kv-cache-gb", "0.02"),
+                     router_args=("--no-forwarding", "--health-interval-s", "0.2", "--step-timeout-s", "5"))
+    yield mesh
+    mesh.stop()
+
+
+async def _until(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not await predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout}s: {what}")
+        await asyncio.sleep(0.2)
+
+
+async def test_sigkill_of_a_middle_stage_is_repaired_not_replayed(pm3, hf_models):
+    prompts = [prompt(30 + 7 * i, seed=500 + i) for i in range(3)]
+    wanted = [hf_greedy(hf_models["llama"], p, NEW_TOKENS) for p in prompts]
+    async with grpc_server.insecure_channel(pm3.router.address) as channel:
+        stub = router_pb2_grpc.RouterStub(channel)
+
+        async def healthy() -> bool:
+            try:
+                listed = await stub.ListChains(router_pb2.ListChainsRequest(), timeout=5)
+            except grpc.aio.AioRpcError:
+                return False
+            return sum(c.healthy for c in listed.chains) == 2
+
+        await _until(healthy, 60, "both chains healthy")
+        started = [asyncio.Event() for _ in prompts]
+
+        async def stream(ids, running):
+            got = []
+            async for r in stub.Generate(router_pb2.GenerateRequest(token_ids=ids, max_new_tokens=NEW_TOKENS),
+                                         timeout=90):
+                got.extend(r.token_ids)
+                if len(got) >= 5:
+                    running.set()
+            return got
+
+        streams = [asyncio.ensure_future(stream(p, r)) for p, r in zip(prompts, started, strict=True)]
+        await asyncio.wait_for(asyncio.gather(*(r.wait() for r in started)), 60)
+        victim = pm3.busy_stage(1)
+        await asyncio.to_thread(pm3.inject, "sigkill", victim)
+        results = await asyncio.gather(*streams)
+    assert results == wanted
+    live = [p for i, p in enumerate(pm3.ports) if i != victim]
+
+    def infos() -> list[stage_pb2.StageInfo]:
+        out = []
+        for port in live:
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+                out.append(stage_pb2_grpc.StageStub(ch).Info(stage_pb2.InfoRequest(), timeout=5))
+        return out
+
+    async def all_closed() -> bool:
+        return all(i.open_sessions == 0 and i.kv_used_bytes == 0 and i.output_log_bytes == 0
+                   for i in await asyncio.to_thread(infos))
+
+    await _until(all_closed, 20, "every live stage back to 0 sessions, KV bytes and log bytes")
+    router_log = pm3.router.log_path.read_text()
+    assert len(re.findall(r"repairing: \S+ takes its place", router_log)) >= 1
+    assert "replaying" not in router_log
