@@ -76,6 +76,9 @@ class ChainSet:
         self.on_change = on_change
         self.plan = ""
         self._notified = False
+        # Chains withdrawn with streams still on them, by id: one published again (a registry flap) is taken
+        # back as it is, so its streams keep counting against it and its channels stay open.
+        self._withdrawn: dict[str, Chain] = {}
 
     def replace(self, published) -> bool:
         """Adopts the scheduler's chains (discovery.chain_table.PublishedChain); a chain that stays keeps
@@ -93,7 +96,10 @@ class ChainSet:
         wanted_ids = set(wanted)
         new = []
         for p in published:
-            chain = existing.get(p.chain_id)
+            chain = existing.get(p.chain_id) or self._withdrawn.pop(p.chain_id, None)
+            if chain is not None and chain.withdrawn:
+                log.info(f"chain {chain.chain_id} ({chain.label}) published again", extra={"chain": chain.chain_id})
+                chain.withdrawn = False
             if chain is None:
                 stages = [StageEndpoint(s.address, s.layer_start, s.layer_end, tls=self.tls, tp=s.tp)
                           for s in p.stages]
@@ -105,6 +111,7 @@ class ChainSet:
         for chain in gone:
             log.info(f"chain {chain.chain_id} ({chain.label}) withdrawn", extra={"chain": chain.chain_id})
             chain.withdrawn = True
+            self._withdrawn[chain.chain_id] = chain
             self._close_if_done(chain)
         self._notify()
         return True
@@ -114,9 +121,9 @@ class ChainSet:
         chain.in_flight -= 1
         self._close_if_done(chain)
 
-    @staticmethod
-    def _close_if_done(chain: Chain) -> None:
+    def _close_if_done(self, chain: Chain) -> None:
         if chain.withdrawn and chain.in_flight == 0:
+            self._withdrawn.pop(chain.chain_id, None)
             for stage in chain.stages:
                 asyncio.get_running_loop().create_task(stage.close())
 

@@ -12,6 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from router.chains import STAGE_SERVICE
 from stagemesh import tensor_codec
+from stagemesh.discovery.chain_table import PublishedChain, PublishedStage
 from stagemesh.v1 import router_pb2, stage_pb2
 from tests.conftest import collect, hf_greedy, splits, start_mesh
 
@@ -105,6 +106,30 @@ async def test_a_chain_withdrawn_mid_stream_finishes_the_stream_then_closes_its_
         gc.collect()
         # The stream's background CloseSession found its channel closed: that is expected, not an error.
         assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    finally:
+        await own.stop()
+
+
+async def test_a_chain_withdrawn_and_published_again_mid_stream_still_counts_the_stream(tiny_model, hf_models):
+    """A registry flap (a lapsed TTL under load) withdraws a chain and the scheduler publishes it again under the
+    same id: the router takes back the same chain, so the stream running on it still counts against its slots
+    and its channels stay open, rather than a fresh chain listing 0 streams in flight."""
+    own = await start_mesh(tiny_model, [splits(4, 4)])
+    try:
+        chain = own.router.chains.chains[0]
+        published = PublishedChain(tuple(PublishedStage(f"s{i}", s.address, s.layer_start, s.layer_end)
+                                         for i, s in enumerate(chain.stages)), chain.chain_id, chain.fingerprint)
+        call = own.router_stub.Generate(router_pb2.GenerateRequest(token_ids=[5, 6, 7], max_new_tokens=24))
+        ids = list((await call.read()).token_ids)
+        own.router.chains.replace([])
+        own.router.chains.replace([published])
+        assert own.router.chains.chains == [chain] and not chain.withdrawn and chain.in_flight == 1
+        while (response := await call.read()) is not grpc.aio.EOF:
+            ids += response.token_ids
+        assert ids == hf_greedy(hf_models["llama"], [5, 6, 7], 24)
+        assert chain.in_flight == 0
+        await asyncio.sleep(0.1)
+        assert all(s._channel is not None for s in chain.stages)  # a live chain keeps its channels
     finally:
         await own.stop()
 
