@@ -2,7 +2,7 @@ from stagemesh.v1 import tensor_pb2 as _tensor_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -102,6 +102,26 @@ class ForwardResponse(_message.Message):
     token_id: int
     logits: _tensor_pb2.Tensor
     def __init__(self, session_id: _Optional[str] = ..., hidden: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., token_id: _Optional[int] = ..., logits: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
+
+class SessionBatch(_message.Message):
+    __slots__ = ("opens", "steps", "close")
+    OPENS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    CLOSE_FIELD_NUMBER: _ClassVar[int]
+    opens: _containers.RepeatedCompositeFieldContainer[OpenSessionRequest]
+    steps: _containers.RepeatedCompositeFieldContainer[ForwardRequest]
+    close: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, opens: _Optional[_Iterable[_Union[OpenSessionRequest, _Mapping]]] = ..., steps: _Optional[_Iterable[_Union[ForwardRequest, _Mapping]]] = ..., close: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SessionEvents(_message.Message):
+    __slots__ = ("opened", "results", "faults")
+    OPENED_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    FAULTS_FIELD_NUMBER: _ClassVar[int]
+    opened: _containers.RepeatedScalarFieldContainer[str]
+    results: _containers.RepeatedCompositeFieldContainer[ForwardResponse]
+    faults: _containers.RepeatedCompositeFieldContainer[RelayStatus]
+    def __init__(self, opened: _Optional[_Iterable[str]] = ..., results: _Optional[_Iterable[_Union[ForwardResponse, _Mapping]]] = ..., faults: _Optional[_Iterable[_Union[RelayStatus, _Mapping]]] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()

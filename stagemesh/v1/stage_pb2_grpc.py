@@ -73,6 +73,11 @@ class StageStub:
                 request_serializer=stagemesh_dot_v1_dot_stage__pb2.ForwardRequest.SerializeToString,
                 response_deserializer=stagemesh_dot_v1_dot_stage__pb2.RelayStatus.FromString,
                 _registered_method=True)
+        self.Sessions = channel.stream_stream(
+                '/stagemesh.v1.Stage/Sessions',
+                request_serializer=stagemesh_dot_v1_dot_stage__pb2.SessionBatch.SerializeToString,
+                response_deserializer=stagemesh_dot_v1_dot_stage__pb2.SessionEvents.FromString,
+                _registered_method=True)
         self.Info = channel.unary_unary(
                 '/stagemesh.v1.Stage/Info',
                 request_serializer=stagemesh_dot_v1_dot_stage__pb2.InfoRequest.SerializeToString,
@@ -143,6 +148,20 @@ class StageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Sessions(self, request_iterator, context):
+        """Forwarding, router to stage: one long-lived stream per (router connection, stage) carrying many
+        sessions, their traffic batched (one message holds whatever each side had queued). The router opens
+        sessions on it (each answered `opened` or with a fault), sends the first stage's steps, and closes
+        sessions; the stage answers the last stage's tokens (and logits) and each session's fault. A
+        session opened or stepped here belongs to this stream: only this connection may step it, and it is
+        closed when the stream ends. A fault (a bad step: INVALID_ARGUMENT; another connection's session:
+        NOT_FOUND; a full pool: RESOURCE_EXHAUSTED; its next stage unreachable: UNAVAILABLE) ends that
+        session only, never the stream. The stream ends UNAVAILABLE when the stage stops or swaps its slice.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Info(self, request, context):
         """What this stage holds and how loaded it is.
         """
@@ -172,6 +191,11 @@ def add_StageServicer_to_server(servicer, server):
                     servicer.Relay,
                     request_deserializer=stagemesh_dot_v1_dot_stage__pb2.ForwardRequest.FromString,
                     response_serializer=stagemesh_dot_v1_dot_stage__pb2.RelayStatus.SerializeToString,
+            ),
+            'Sessions': grpc.stream_stream_rpc_method_handler(
+                    servicer.Sessions,
+                    request_deserializer=stagemesh_dot_v1_dot_stage__pb2.SessionBatch.FromString,
+                    response_serializer=stagemesh_dot_v1_dot_stage__pb2.SessionEvents.SerializeToString,
             ),
             'Info': grpc.unary_unary_rpc_method_handler(
                     servicer.Info,
@@ -306,6 +330,33 @@ class Stage:
             '/stagemesh.v1.Stage/Relay',
             stagemesh_dot_v1_dot_stage__pb2.ForwardRequest.SerializeToString,
             stagemesh_dot_v1_dot_stage__pb2.RelayStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Sessions(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/stagemesh.v1.Stage/Sessions',
+            stagemesh_dot_v1_dot_stage__pb2.SessionBatch.SerializeToString,
+            stagemesh_dot_v1_dot_stage__pb2.SessionEvents.FromString,
             options,
             channel_credentials,
             insecure,
