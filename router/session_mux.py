@@ -15,6 +15,7 @@ from array import array
 import grpc
 
 from router.chain_client import StageEndpoint, stage_error
+from stagemesh import grpc_server
 from stagemesh.v1 import stage_pb2
 
 log = logging.getLogger("stagemesh.router")
@@ -71,8 +72,12 @@ class StageMux:
             self._room(len(session_id) + 4).close.append(session_id)
 
     async def _write(self) -> None:
+        loop, written_at = asyncio.get_running_loop(), 0.0
         while True:
             await self._wake.wait()
+            if loop.time() - written_at < grpc_server.BUSY_STREAM_WAIT_S:  # busy: more steps join this message
+                await asyncio.sleep(grpc_server.BUSY_STREAM_WAIT_S)
+            written_at = loop.time()
             self._wake.clear()
             batches = [*self._full, self._batch]
             self._full, self._batch, self._bytes = [], stage_pb2.SessionBatch(), 0

@@ -130,11 +130,15 @@ class InstantStage(stage_pb2_grpc.StageServicer):
                     self.routes.pop(sid, None)
                     self.feeds.pop(sid, None)
 
-        reader = asyncio.get_running_loop().create_task(read())
+        loop, written_at = asyncio.get_running_loop(), 0.0
+        reader = loop.create_task(read())
         try:
             while True:
                 message = stage_pb2.SessionEvents()
                 item = await events.get()
+                if loop.time() - written_at < grpc_server.BUSY_STREAM_WAIT_S:  # as a real stage does
+                    await asyncio.sleep(grpc_server.BUSY_STREAM_WAIT_S)
+                written_at = loop.time()
                 while True:
                     if isinstance(item, str):
                         message.opened.append(item)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from stage_server.sessions import UnknownSession
-from stagemesh import tensor_codec
+from stagemesh import grpc_server, tensor_codec
 from stagemesh.errors import ErrorCodes, StatusError
 from stagemesh.v1 import stage_pb2
 
@@ -98,10 +98,14 @@ class SessionStream:
         self.events.put_nowait((None, StatusError(grpc.StatusCode.UNAVAILABLE, why)))
 
     async def serve(self, requests: AsyncIterator[stage_pb2.SessionBatch]) -> AsyncIterator[stage_pb2.SessionEvents]:
-        reader = asyncio.get_running_loop().create_task(self._read(requests))
+        loop, written_at = asyncio.get_running_loop(), 0.0
+        reader = loop.create_task(self._read(requests))
         try:
             while True:
                 session_id, item = await self.events.get()
+                if loop.time() - written_at < grpc_server.BUSY_STREAM_WAIT_S:  # busy: more results join this message
+                    await asyncio.sleep(grpc_server.BUSY_STREAM_WAIT_S)
+                written_at = loop.time()
                 events = stage_pb2.SessionEvents()
                 while True:  # everything queued by now, in one message
                     if item is _END:
