@@ -23,6 +23,10 @@ log = logging.getLogger("stagemesh.router")
 BATCH_BYTES = 1 << 20
 """A message holds about this much at most; more waits for the next (far under any stage's limit)."""
 
+CLOSE_WAIT_S = 0.05
+"""Closes ride the next message written anyway, or go on their own after this long: a close answers
+nothing, and a stream that only opens and closes sessions (every stage but the first) halves its writes."""
+
 Inbox = asyncio.Queue
 """A session's: (stage index, None: opened | ForwardResponse | grpc.aio.AioRpcError: its fault there)."""
 
@@ -37,6 +41,8 @@ class StageMux:
         self._batch = stage_pb2.SessionBatch()
         self._bytes = 0
         self._full: list[stage_pb2.SessionBatch] = []
+        self._closes: list[str] = []
+        self._close_timer: asyncio.TimerHandle | None = None
         self._wake = asyncio.Event()
         loop = asyncio.get_running_loop()
         self._writer = loop.create_task(self._write(), name=f"sessions-to-{stage.address}")
@@ -69,7 +75,9 @@ class StageMux:
         """Closes a session here (nothing more reaches its inbox). The stage closes it anyway if the stream
         ends first."""
         if self.inboxes.pop(session_id, None) is not None and not self.broken:
-            self._room(len(session_id) + 4).close.append(session_id)
+            self._closes.append(session_id)
+            if self._close_timer is None:
+                self._close_timer = asyncio.get_running_loop().call_later(CLOSE_WAIT_S, self._wake.set)
 
     async def _write(self) -> None:
         loop, written_at = asyncio.get_running_loop(), 0.0
@@ -81,6 +89,11 @@ class StageMux:
             self._wake.clear()
             batches = [*self._full, self._batch]
             self._full, self._batch, self._bytes = [], stage_pb2.SessionBatch(), 0
+            if self._closes:
+                batches[-1].close.extend(self._closes)
+                self._closes = []
+                self._close_timer.cancel()
+                self._close_timer = None
             try:
                 for batch in batches:
                     await self.call.write(batch)
