@@ -67,8 +67,7 @@ class ForwardingSession(ChainSession):
                         faults.setdefault(index, item)
         except TimeoutError:
             if timeout is not None and timeout <= limit:
-                raise grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(),
-                                           grpc.aio.Metadata(), details="Deadline Exceeded") from None
+                raise _deadline_exceeded() from None
             raise stage_error(grpc.StatusCode.UNAVAILABLE, self.chain.stages[min(waiting)],
                                f"no answer to OpenSession in {limit:.1f}s: hung or unreachable") from None
         if faults:
@@ -96,9 +95,9 @@ class ForwardingSession(ChainSession):
         if self._token_read_at is not None:
             metrics.TOKEN_TURNAROUND.observe(time.perf_counter() - self._token_read_at)
             self._token_read_at = None
-        limit = self.progress.timeout(self.chain, len(token_ids))
+        limit, timeout = self.progress.timeout(self.chain, len(token_ids)), self._timeout()
         try:
-            async with asyncio.timeout(limit):  # one timer for the step
+            async with asyncio.timeout(limit if timeout is None else min(limit, timeout)):  # one timer for the step
                 while True:
                     index, item = await self._inbox.get()
                     if isinstance(item, BaseException):
@@ -106,12 +105,20 @@ class ForwardingSession(ChainSession):
                     if index == last and item is not None:
                         return item
         except TimeoutError:
+            if timeout is not None and timeout <= limit:
+                raise _deadline_exceeded() from None
             metrics.STEP_TIMEOUTS.inc()
             labels = ", ".join(s.address for s in self.chain.stages)
             raise grpc.aio.AioRpcError(
                 grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
                 details=f"chain {labels}: no token in {limit:.1f}s for a {len(token_ids)}-token step: "
                         "a stage on the way is hung, or a link is cut") from None
+
+
+def _deadline_exceeded() -> grpc.aio.AioRpcError:
+    """The request's own deadline passed (as a call with that deadline would have ended)."""
+    return grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                details="Deadline Exceeded")
 
 
 def session_class(forwarding: bool, stages: int) -> type[ChainSession]:

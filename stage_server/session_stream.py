@@ -12,7 +12,7 @@ import logging
 import time
 import weakref
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING
+from typing import Any
 
 import grpc
 
@@ -21,10 +21,10 @@ from stagemesh import grpc_server, tensor_codec
 from stagemesh.errors import ErrorCodes, StatusError
 from stagemesh.v1 import stage_pb2
 
-if TYPE_CHECKING:  # the service imports this module: its type only, for the annotations
-    from stage_server.stage_service import StageService
-
 log = logging.getLogger("stagemesh.stage")
+
+StageService = Any
+"""stage_service.StageService, which imports this module (its methods are used, never its module)."""
 
 OPENED = object()
 """Queued for a session opened on the stream: answered in SessionEvents.opened."""

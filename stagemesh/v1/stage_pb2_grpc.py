@@ -35,10 +35,11 @@ class StageStub:
     --forwarding): the router opens every stage's session naming its next stage (next_address) and a hop
     key; it sends token ids to the first stage only, each stage sends its output hidden states
     straight to the next over Relay (one long-lived stream per neighbour, many sessions on it), and
-    the last stage answers the sampled token on the router's own Forward stream to it, which the
-    router attached to the session with a `follow` request. Faults reach the router on the Forward
-    stream it holds on the stage that saw them: that stream ends with the status, naming the stage
-    (or its unreachable next stage).
+    the last stage answers the sampled token to the router. Routers carry all of it on Sessions (one
+    long-lived stream per router and stage, many sessions on it): opens, steps and closes one way,
+    opened, tokens and per-session faults (naming the stage, or its unreachable next stage) the other.
+    (Forward with a `follow` request attaches one session's results and fault to a Forward stream
+    instead: the stream then ends with the session's fault.)
 
     Who may step a session: its opener, on a Forward stream of the connection that opened it; and,
     for a session opened with an upstream_key, whoever presents that key on Relay (the previous stage,
@@ -95,10 +96,11 @@ class StageServicer:
     --forwarding): the router opens every stage's session naming its next stage (next_address) and a hop
     key; it sends token ids to the first stage only, each stage sends its output hidden states
     straight to the next over Relay (one long-lived stream per neighbour, many sessions on it), and
-    the last stage answers the sampled token on the router's own Forward stream to it, which the
-    router attached to the session with a `follow` request. Faults reach the router on the Forward
-    stream it holds on the stage that saw them: that stream ends with the status, naming the stage
-    (or its unreachable next stage).
+    the last stage answers the sampled token to the router. Routers carry all of it on Sessions (one
+    long-lived stream per router and stage, many sessions on it): opens, steps and closes one way,
+    opened, tokens and per-session faults (naming the stage, or its unreachable next stage) the other.
+    (Forward with a `follow` request attaches one session's results and fault to a Forward stream
+    instead: the stream then ends with the session's fault.)
 
     Who may step a session: its opener, on a Forward stream of the connection that opened it; and,
     for a session opened with an upstream_key, whoever presents that key on Relay (the previous stage,
@@ -220,10 +222,11 @@ class Stage:
     --forwarding): the router opens every stage's session naming its next stage (next_address) and a hop
     key; it sends token ids to the first stage only, each stage sends its output hidden states
     straight to the next over Relay (one long-lived stream per neighbour, many sessions on it), and
-    the last stage answers the sampled token on the router's own Forward stream to it, which the
-    router attached to the session with a `follow` request. Faults reach the router on the Forward
-    stream it holds on the stage that saw them: that stream ends with the status, naming the stage
-    (or its unreachable next stage).
+    the last stage answers the sampled token to the router. Routers carry all of it on Sessions (one
+    long-lived stream per router and stage, many sessions on it): opens, steps and closes one way,
+    opened, tokens and per-session faults (naming the stage, or its unreachable next stage) the other.
+    (Forward with a `follow` request attaches one session's results and fault to a Forward stream
+    instead: the stream then ends with the session's fault.)
 
     Who may step a session: its opener, on a Forward stream of the connection that opened it; and,
     for a session opened with an upstream_key, whoever presents that key on Relay (the previous stage,
