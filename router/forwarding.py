@@ -17,8 +17,10 @@ import grpc
 
 from router.chain_client import ChainSession, Sampling, stage_error
 from router.session_mux import StageMux, mux_of
-from stagemesh import metrics
+from stagemesh import metrics, tracing
 from stagemesh.v1 import stage_pb2
+
+OPEN_SPAN = "/stagemesh.v1.Stage/OpenSession"
 
 
 class ForwardingSession(ChainSession):
@@ -54,8 +56,12 @@ class ForwardingSession(ChainSession):
         """Every stage at once: one round trip. The first fault (in chain order) is raised once all have
         answered."""
         self._muxes = [mux_of(stage) for stage in self.chain.stages]
+        spans = []  # with tracing on: the opens' spans, as a unary OpenSession's would be
         for index, mux in enumerate(self._muxes):
-            mux.open(self._open_request(index), self._inbox, index)
+            request = self._open_request(index)
+            if span := tracing.client_span(OPEN_SPAN, request.trace_context):
+                spans.append(span)
+            mux.open(request, self._inbox, index)
         limit, timeout = self.progress.timeout(self.chain, 1), self._timeout()
         waiting, faults = set(range(len(self._muxes))), {}
         try:
@@ -70,6 +76,9 @@ class ForwardingSession(ChainSession):
                 raise _deadline_exceeded() from None
             raise stage_error(grpc.StatusCode.UNAVAILABLE, self.chain.stages[min(waiting)],
                                f"no answer to OpenSession in {limit:.1f}s: hung or unreachable") from None
+        finally:
+            for span in spans:
+                span.end()
         if faults:
             raise faults[min(faults)]
 

@@ -17,7 +17,7 @@ from typing import Any
 import grpc
 
 from stage_server.sessions import UnknownSession
-from stagemesh import grpc_server, tensor_codec
+from stagemesh import grpc_server, tensor_codec, tracing
 from stagemesh.errors import ErrorCodes, StatusError
 from stagemesh.v1 import stage_pb2
 
@@ -146,8 +146,9 @@ class SessionStream:
                 for request in batch.steps:
                     self._step(request)
                 for sid in batch.close:
-                    if self.feeds.pop(sid, None) is not None:
-                        self.service.sessions.close(sid, self.caller)
+                    session = self.service.sessions.sessions.get(sid)
+                    if self.feeds.pop(sid, None) is not None and self.service.sessions.close(sid, self.caller):
+                        log.info("session closed by its router", extra=self.service._extra(sid, session.request_id))
                 if len(self.feeds) > 64 and len(self.feeds) > 2 * len(self.service.sessions):
                     self.feeds = {s: f for s, f in self.feeds.items() if s in self.service.sessions.sessions}
             self.events.put_nowait((None, _END))
@@ -155,6 +156,7 @@ class SessionStream:
             self.events.put_nowait((None, exc))
 
     async def _open(self, request: stage_pb2.OpenSessionRequest) -> None:
+        span = tracing.server_span("/stagemesh.v1.Stage/OpenSession", request.trace_context)
         try:
             if self.admit is not None:
                 self.admit()
@@ -162,6 +164,9 @@ class SessionStream:
         except Exception as exc:
             self.events.put_nowait((request.session_id, exc))
             return
+        finally:
+            if span is not None:
+                span.end()
         feed = self.feeds[request.session_id] = _Feed(self.events, request.session_id)
         self.events.put_nowait((request.session_id, OPENED))
         self.service.sessions.sessions[request.session_id].route.attach(feed)

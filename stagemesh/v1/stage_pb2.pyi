@@ -8,7 +8,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("session_id", "max_length", "request_id", "next_address", "next_key", "upstream_key", "sampling", "wire_dtype", "previous_address")
+    __slots__ = ("session_id", "max_length", "request_id", "next_address", "next_key", "upstream_key", "sampling", "wire_dtype", "previous_address", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_LENGTH_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +25,7 @@ class OpenSessionRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     PREVIOUS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     max_length: int
     request_id: str
@@ -27,7 +35,8 @@ class OpenSessionRequest(_message.Message):
     sampling: SamplingParams
     wire_dtype: str
     previous_address: str
-    def __init__(self, session_id: _Optional[str] = ..., max_length: _Optional[int] = ..., request_id: _Optional[str] = ..., next_address: _Optional[str] = ..., next_key: _Optional[str] = ..., upstream_key: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., wire_dtype: _Optional[str] = ..., previous_address: _Optional[str] = ...) -> None: ...
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, session_id: _Optional[str] = ..., max_length: _Optional[int] = ..., request_id: _Optional[str] = ..., next_address: _Optional[str] = ..., next_key: _Optional[str] = ..., upstream_key: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., wire_dtype: _Optional[str] = ..., previous_address: _Optional[str] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
     __slots__ = ("session_id",)
