@@ -30,6 +30,8 @@ class StageEndpoint:
     tls: Tls | None = field(default=None, repr=False)
     """The mesh identity the channel presents and checks the stage against (None: plaintext)."""
     tp: int = 1  # ranks of its tensor-parallel group, as published (router.chains routes long prompts by it)
+    mux: object = field(default=None, repr=False, compare=False)
+    """Its Stage/Sessions stream, for forwarding sessions (router.session_mux.mux_of)."""
     _stub: stage_pb2_grpc.StageStub | None = field(default=None, repr=False)
     _channel: grpc.aio.Channel | None = field(default=None, repr=False)
 

@@ -111,6 +111,46 @@ class InstantStage(stage_pb2_grpc.StageServicer):
         while feed is not None:
             yield await feed.get()
 
+    async def Sessions(self, request_iterator, context):
+        """Forwarding: the router's one stream here for all its sessions, batched both ways."""
+        events: asyncio.Queue = asyncio.Queue()  # a session id (opened) or a ForwardResponse (last stage's token)
+        running: set[asyncio.Task] = set()
+
+        async def read() -> None:
+            async for batch in request_iterator:
+                for request in batch.opens:
+                    await self.OpenSession(request, context)
+                    self.feeds[request.session_id] = events
+                    events.put_nowait(request.session_id)
+                for request in batch.steps:  # first stage: steps go on over Relay
+                    task = asyncio.get_running_loop().create_task(self._relayed(request))
+                    running.add(task)
+                    task.add_done_callback(running.discard)
+                for sid in batch.close:
+                    self.routes.pop(sid, None)
+                    self.feeds.pop(sid, None)
+
+        loop, written_at = asyncio.get_running_loop(), 0.0
+        reader = loop.create_task(read())
+        try:
+            while True:
+                message = stage_pb2.SessionEvents()
+                item = await events.get()
+                if loop.time() - written_at < grpc_server.BUSY_STREAM_WAIT_S:  # as a real stage does
+                    await asyncio.sleep(grpc_server.BUSY_STREAM_WAIT_S)
+                written_at = loop.time()
+                while True:
+                    if isinstance(item, str):
+                        message.opened.append(item)
+                    else:
+                        message.results.append(item)
+                    if events.empty():
+                        break
+                    item = events.get_nowait()
+                yield message
+        finally:
+            reader.cancel()
+
     async def Relay(self, request_iterator, context):
         running: set[asyncio.Task] = set()
         async for request in request_iterator:

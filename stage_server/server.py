@@ -69,10 +69,13 @@ class StageSlot(stage_pb2_grpc.StageServicer):
                               "this stage holds no layers yet: it is waiting for the scheduler to assign a range")
         return self.current
 
-    async def OpenSession(self, request, context):
+    def _admit(self) -> None:
         if self.draining:
             raise StatusError(grpc.StatusCode.UNAVAILABLE,
                               "this stage is draining (stopping): it takes no new session; use another chain")
+
+    async def OpenSession(self, request, context):
+        self._admit()
         return await self._service().OpenSession(request, context)
 
     async def CloseSession(self, request, context):
@@ -94,6 +97,12 @@ class StageSlot(stage_pb2_grpc.StageServicer):
         async with contextlib.aclosing(self._service().Relay(request_iterator, context)) as statuses:
             async for status in statuses:
                 yield status
+
+    async def Sessions(self, request_iterator, context):
+        # Not counted in `streams` (it lives as long as its router); draining waits for its sessions instead.
+        async with contextlib.aclosing(self._service().Sessions(request_iterator, context, self._admit)) as events:
+            async for batch in events:
+                yield batch
 
     async def Info(self, request, context):
         return await self._service().Info(request, context)

@@ -18,6 +18,7 @@ from stage_server.kv_pool import PoolExhausted
 from stage_server.model import StageModel
 from stage_server.output_log import readable
 from stage_server.sampling import Sampling
+from stage_server.session_stream import end_streams, serve
 from stage_server.sessions import (
     Session,
     SessionError,
@@ -85,7 +86,8 @@ class StageService(stage_pb2_grpc.StageServicer):
         self.links = Links(tls, self._link_broken, self._relay_refused)  # to next stages, with the mesh's TLS
 
     async def close(self) -> None:
-        """Ends the links to next stages (the slice is swapped or the stage stops)."""
+        """Ends the links to next stages and the routers' Sessions streams (the slice is swapped or the stage stops)."""
+        end_streams(self)
         await self.links.close()
 
     def _extra(self, session_id: str, request_id: str) -> dict[str, str]:
@@ -214,6 +216,10 @@ class StageService(stage_pb2_grpc.StageServicer):
         tensor_codec.encode_hidden_into(onward.hidden, result.hidden, request.wire_dtype or route.wire_dtype)
         self.batcher.timing.since("encode", t0, decode)
         self.links.send(route.next_address, onward)
+
+    async def Sessions(self, request_iterator, context, admit=None):  # stage_server/session_stream.py
+        async for events in serve(self, request_iterator, context, ERROR_CODES, admit):
+            yield events
 
     async def Relay(self, request_iterator, context):
         carried: set[str] = set()

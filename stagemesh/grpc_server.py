@@ -18,6 +18,11 @@ MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 PUBLIC_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 """What the router's public port accepts in one message: a request whose prompt is as long as any
 context we serve fits many times over; a 256 MiB message from anyone does not."""
+BUSY_STREAM_WAIT_S = 0.002
+"""A stream carrying many sessions (Stage/Sessions, both ways) whose last message went under this long ago
+waits this long before the next, so that one message carries many sessions' traffic: a gRPC write costs
+about as much for one step as for a hundred. An idle stream writes at once (a lone stream's latency is
+untouched)."""
 KEEPALIVE_S = 30.0
 """Channels ping an idle peer this often, and a peer that does not answer in KEEPALIVE_TIMEOUT_S is
 dropped: a host that black-holes packets, or a stopped process, fails its calls instead of hanging.

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from opentelemetry import context as otel_context
+from opentelemetry import propagate, trace
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 from opentelemetry.instrumentation.grpc import GrpcAioInstrumentorClient, GrpcAioInstrumentorServer
 from opentelemetry.sdk.resources import Resource
@@ -14,6 +16,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
 
 _instruments: list = []
+_provider: TracerProvider | None = None
 
 
 @dataclass
@@ -28,7 +31,8 @@ def setup_tracing(service: str, endpoint: str | None, exporter: SpanExporter | N
     or to `exporter` (tests). Nothing happens without either. True if tracing is on."""
     if not endpoint and exporter is None:
         return False
-    provider = TracerProvider(resource=Resource.create({"service.name": service}))
+    global _provider
+    provider = _provider = TracerProvider(resource=Resource.create({"service.name": service}))
     if exporter is not None:
         provider.add_span_processor(SimpleSpanProcessor(exporter))
     else:
@@ -41,5 +45,25 @@ def setup_tracing(service: str, endpoint: str | None, exporter: SpanExporter | N
 
 def stop_tracing() -> None:
     """Undoes setup_tracing's instrumentation (for tests; a process just exits)."""
+    global _provider
+    _provider = None
     while _instruments:
         _instruments.pop().uninstrument()
+
+
+def client_span(name: str, carrier: dict) -> trace.Span | None:
+    """A span of a call made without a gRPC call of its own (one that rides a shared stream), child of the
+    current one; its context is written into carrier for the other side. None when tracing is off."""
+    if _provider is None:
+        return None
+    span = _provider.get_tracer("stagemesh").start_span(name, kind=trace.SpanKind.CLIENT)
+    propagate.inject(carrier, context=trace.set_span_in_context(span))
+    return span
+
+
+def server_span(name: str, carrier: dict) -> trace.Span | None:
+    """The serving side of client_span: a span whose parent is the one written into carrier."""
+    if _provider is None or not carrier:
+        return None
+    parent = propagate.extract(dict(carrier), context=otel_context.Context())
+    return _provider.get_tracer("stagemesh").start_span(name, context=parent, kind=trace.SpanKind.SERVER)

@@ -75,6 +75,7 @@ async def test_a_callers_request_id_is_in_the_log_lines_of_the_router_and_of_eve
         assert stages == {s.address for s in mesh.all_stages()}
         opened_and_closed = [r.getMessage() for r in tagged if r.name == "stagemesh.stage"]
         assert opened_and_closed.count("session opened") == 3
-        assert opened_and_closed.count("session closed with its stream") == 3
+        # Closed by the router's close on its Sessions stream (or by that stream's end).
+        assert sum(m.startswith("session closed") for m in opened_and_closed) == 3
     finally:
         await mesh.stop()

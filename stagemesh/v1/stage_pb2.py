@@ -25,41 +25,49 @@ _sym_db = _symbol_database.Default()
 from stagemesh.v1 import tensor_pb2 as stagemesh_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18stagemesh/v1/stage.proto\x12\x0cstagemesh.v1\x1a\x19stagemesh/v1/tensor.proto\"\x81\x02\n\x12OpenSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nmax_length\x18\x02 \x01(\x05\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x14\n\x0cnext_address\x18\x04 \x01(\t\x12\x10\n\x08next_key\x18\x05 \x01(\t\x12\x14\n\x0cupstream_key\x18\x06 \x01(\t\x12.\n\x08sampling\x18\x07 \x01(\x0b\x32\x1c.stagemesh.v1.SamplingParams\x12\x12\n\nwire_dtype\x18\x08 \x01(\t\x12\x18\n\x10previous_address\x18\t \x01(\t\x12\x13\n\x0bkeep_output\x18\n \x01(\x08\")\n\x13OpenSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x16\n\x14\x43loseSessionResponse\"Q\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"\xa0\x02\n\x0e\x46orwardRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\x05\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.stagemesh.v1.TensorH\x00\x12&\n\x06hidden\x18\x04 \x01(\x0b\x32\x14.stagemesh.v1.TensorH\x00\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.stagemesh.v1.SamplingParams\x12\x15\n\rreturn_logits\x18\x06 \x01(\x08\x12\x13\n\x0bskip_sample\x18\x07 \x01(\x08\x12\x12\n\nwire_dtype\x18\x08 \x01(\t\x12\x0e\n\x06\x66ollow\x18\t \x01(\x08\x12\x0f\n\x07hop_key\x18\n \x01(\tB\x07\n\x05input\"@\n\x0bRelayStatus\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07\x64\x65tails\x18\x03 \x01(\t\"\x95\x01\n\x0f\x46orwardResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12$\n\x06hidden\x18\x02 \x01(\x0b\x32\x14.stagemesh.v1.Tensor\x12\x15\n\x08token_id\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12$\n\x06logits\x18\x04 \x01(\x0b\x32\x14.stagemesh.v1.TensorB\x0b\n\t_token_id\"Y\n\x11ReadOutputRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\x05\x12\x0b\n\x03\x65nd\x18\x03 \x01(\x05\x12\x14\n\x0c\x63hunk_tokens\x18\x04 \x01(\x05\"B\n\x0bOutputChunk\x12\r\n\x05start\x18\x01 \x01(\x05\x12$\n\x06hidden\x18\x02 \x01(\x0b\x32\x14.stagemesh.v1.Tensor\"\r\n\x0bInfoRequest\"\x8c\x06\n\tStageInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06\x66\x61mily\x18\x02 \x01(\t\x12\x13\n\x0blayer_start\x18\x03 \x01(\x05\x12\x11\n\tlayer_end\x18\x04 \x01(\x05\x12\x12\n\nnum_layers\x18\x05 \x01(\x05\x12\x10\n\x08is_first\x18\x06 \x01(\x08\x12\x0f\n\x07is_last\x18\x07 \x01(\x08\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x13\n\x0bhidden_size\x18\n \x01(\x05\x12\x12\n\nvocab_size\x18\x0b \x01(\x05\x12\x14\n\x0cmax_position\x18\x0c \x01(\x05\x12\x14\n\x0cweight_bytes\x18\r \x01(\x03\x12\x16\n\x0epeak_rss_bytes\x18\x0e \x01(\x03\x12\x15\n\ropen_sessions\x18\x0f \x01(\x05\x12\x15\n\rkv_used_bytes\x18\x10 \x01(\x03\x12\x19\n\x11kv_capacity_bytes\x18\x11 \x01(\x03\x12\x14\n\x0cqueued_steps\x18\x12 \x01(\x05\x12\x0f\n\x07step_ms\x18\x13 \x01(\x02\x12\x0e\n\x06load_s\x18\x14 \x01(\x02\x12\x18\n\x10max_batch_tokens\x18\x15 \x01(\x05\x12\x13\n\x0b\x66ingerprint\x18\x16 \x01(\t\x12\x15\n\rkv_block_size\x18\x17 \x01(\x05\x12\x16\n\x0ekv_blocks_used\x18\x18 \x01(\x05\x12\x17\n\x0fkv_blocks_total\x18\x19 \x01(\x05\x12\x16\n\x0ekv_preemptions\x18\x1a \x01(\x03\x12M\n\x14\x64\x65\x63ode_phase_seconds\x18\x1f \x03(\x0b\x32/.stagemesh.v1.StageInfo.DecodePhaseSecondsEntry\x12\x14\n\x0c\x64\x65\x63ode_steps\x18  \x01(\x03\x12\x0f\n\x07tp_size\x18! \x01(\x05\x12\x18\n\x10output_log_bytes\x18% \x01(\x03\x12\x1b\n\x13output_logs_dropped\x18& \x01(\x03\x1a\x39\n\x17\x44\x65\x63odePhaseSecondsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x32\xcc\x03\n\x05Stage\x12R\n\x0bOpenSession\x12 .stagemesh.v1.OpenSessionRequest\x1a!.stagemesh.v1.OpenSessionResponse\x12U\n\x0c\x43loseSession\x12!.stagemesh.v1.CloseSessionRequest\x1a\".stagemesh.v1.CloseSessionResponse\x12J\n\x07\x46orward\x12\x1c.stagemesh.v1.ForwardRequest\x1a\x1d.stagemesh.v1.ForwardResponse(\x01\x30\x01\x12\x44\n\x05Relay\x12\x1c.stagemesh.v1.ForwardRequest\x1a\x19.stagemesh.v1.RelayStatus(\x01\x30\x01\x12:\n\x04Info\x12\x19.stagemesh.v1.InfoRequest\x1a\x17.stagemesh.v1.StageInfo\x12J\n\nReadOutput\x12\x1f.stagemesh.v1.ReadOutputRequest\x1a\x19.stagemesh.v1.OutputChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18stagemesh/v1/stage.proto\x12\x0cstagemesh.v1\x1a\x19stagemesh/v1/tensor.proto\"\x81\x03\n\x12OpenSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nmax_length\x18\x02 \x01(\x05\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x14\n\x0cnext_address\x18\x04 \x01(\t\x12\x10\n\x08next_key\x18\x05 \x01(\t\x12\x14\n\x0cupstream_key\x18\x06 \x01(\t\x12.\n\x08sampling\x18\x07 \x01(\x0b\x32\x1c.stagemesh.v1.SamplingParams\x12\x12\n\nwire_dtype\x18\x08 \x01(\t\x12\x18\n\x10previous_address\x18\t \x01(\t\x12\x13\n\x0bkeep_output\x18\n \x01(\x08\x12I\n\rtrace_context\x18\r \x03(\x0b\x32\x32.stagemesh.v1.OpenSessionRequest.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\")\n\x13OpenSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x16\n\x14\x43loseSessionResponse\"Q\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"\xa0\x02\n\x0e\x46orwardRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\x05\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.stagemesh.v1.TensorH\x00\x12&\n\x06hidden\x18\x04 \x01(\x0b\x32\x14.stagemesh.v1.TensorH\x00\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.stagemesh.v1.SamplingParams\x12\x15\n\rreturn_logits\x18\x06 \x01(\x08\x12\x13\n\x0bskip_sample\x18\x07 \x01(\x08\x12\x12\n\nwire_dtype\x18\x08 \x01(\t\x12\x0e\n\x06\x66ollow\x18\t \x01(\x08\x12\x0f\n\x07hop_key\x18\n \x01(\tB\x07\n\x05input\"@\n\x0bRelayStatus\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07\x64\x65tails\x18\x03 \x01(\t\"\x95\x01\n\x0f\x46orwardResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12$\n\x06hidden\x18\x02 \x01(\x0b\x32\x14.stagemesh.v1.Tensor\x12\x15\n\x08token_id\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12$\n\x06logits\x18\x04 \x01(\x0b\x32\x14.stagemesh.v1.TensorB\x0b\n\t_token_id\"Y\n\x11ReadOutputRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\x05\x12\x0b\n\x03\x65nd\x18\x03 \x01(\x05\x12\x14\n\x0c\x63hunk_tokens\x18\x04 \x01(\x05\"B\n\x0bOutputChunk\x12\r\n\x05start\x18\x01 \x01(\x05\x12$\n\x06hidden\x18\x02 \x01(\x0b\x32\x14.stagemesh.v1.Tensor\"{\n\x0cSessionBatch\x12/\n\x05opens\x18\x01 \x03(\x0b\x32 .stagemesh.v1.OpenSessionRequest\x12+\n\x05steps\x18\x02 \x03(\x0b\x32\x1c.stagemesh.v1.ForwardRequest\x12\r\n\x05\x63lose\x18\x03 \x03(\t\"z\n\rSessionEvents\x12\x0e\n\x06opened\x18\x01 \x03(\t\x12.\n\x07results\x18\x02 \x03(\x0b\x32\x1d.stagemesh.v1.ForwardResponse\x12)\n\x06\x66\x61ults\x18\x03 \x03(\x0b\x32\x19.stagemesh.v1.RelayStatus\"\r\n\x0bInfoRequest\"\x8c\x06\n\tStageInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06\x66\x61mily\x18\x02 \x01(\t\x12\x13\n\x0blayer_start\x18\x03 \x01(\x05\x12\x11\n\tlayer_end\x18\x04 \x01(\x05\x12\x12\n\nnum_layers\x18\x05 \x01(\x05\x12\x10\n\x08is_first\x18\x06 \x01(\x08\x12\x0f\n\x07is_last\x18\x07 \x01(\x08\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x13\n\x0bhidden_size\x18\n \x01(\x05\x12\x12\n\nvocab_size\x18\x0b \x01(\x05\x12\x14\n\x0cmax_position\x18\x0c \x01(\x05\x12\x14\n\x0cweight_bytes\x18\r \x01(\x03\x12\x16\n\x0epeak_rss_bytes\x18\x0e \x01(\x03\x12\x15\n\ropen_sessions\x18\x0f \x01(\x05\x12\x15\n\rkv_used_bytes\x18\x10 \x01(\x03\x12\x19\n\x11kv_capacity_bytes\x18\x11 \x01(\x03\x12\x14\n\x0cqueued_steps\x18\x12 \x01(\x05\x12\x0f\n\x07step_ms\x18\x13 \x01(\x02\x12\x0e\n\x06load_s\x18\x14 \x01(\x02\x12\x18\n\x10max_batch_tokens\x18\x15 \x01(\x05\x12\x13\n\x0b\x66ingerprint\x18\x16 \x01(\t\x12\x15\n\rkv_block_size\x18\x17 \x01(\x05\x12\x16\n\x0ekv_blocks_used\x18\x18 \x01(\x05\x12\x17\n\x0fkv_blocks_total\x18\x19 \x01(\x05\x12\x16\n\x0ekv_preemptions\x18\x1a \x01(\x03\x12M\n\x14\x64\x65\x63ode_phase_seconds\x18\x1f \x03(\x0b\x32/.stagemesh.v1.StageInfo.DecodePhaseSecondsEntry\x12\x14\n\x0c\x64\x65\x63ode_steps\x18  \x01(\x03\x12\x0f\n\x07tp_size\x18! \x01(\x05\x12\x18\n\x10output_log_bytes\x18% \x01(\x03\x12\x1b\n\x13output_logs_dropped\x18& \x01(\x03\x1a\x39\n\x17\x44\x65\x63odePhaseSecondsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x32\x95\x04\n\x05Stage\x12R\n\x0bOpenSession\x12 .stagemesh.v1.OpenSessionRequest\x1a!.stagemesh.v1.OpenSessionResponse\x12U\n\x0c\x43loseSession\x12!.stagemesh.v1.CloseSessionRequest\x1a\".stagemesh.v1.CloseSessionResponse\x12J\n\x07\x46orward\x12\x1c.stagemesh.v1.ForwardRequest\x1a\x1d.stagemesh.v1.ForwardResponse(\x01\x30\x01\x12\x44\n\x05Relay\x12\x1c.stagemesh.v1.ForwardRequest\x1a\x19.stagemesh.v1.RelayStatus(\x01\x30\x01\x12G\n\x08Sessions\x12\x1a.stagemesh.v1.SessionBatch\x1a\x1b.stagemesh.v1.SessionEvents(\x01\x30\x01\x12:\n\x04Info\x12\x19.stagemesh.v1.InfoRequest\x1a\x17.stagemesh.v1.StageInfo\x12J\n\nReadOutput\x12\x1f.stagemesh.v1.ReadOutputRequest\x1a\x19.stagemesh.v1.OutputChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'stagemesh.v1.stage_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_OPENSESSIONREQUEST_TRACECONTEXTENTRY']._loaded_options = None
+  _globals['_OPENSESSIONREQUEST_TRACECONTEXTENTRY']._serialized_options = b'8\001'
   _globals['_STAGEINFO_DECODEPHASESECONDSENTRY']._loaded_options = None
   _globals['_STAGEINFO_DECODEPHASESECONDSENTRY']._serialized_options = b'8\001'
   _globals['_OPENSESSIONREQUEST']._serialized_start=70
-  _globals['_OPENSESSIONREQUEST']._serialized_end=327
-  _globals['_OPENSESSIONRESPONSE']._serialized_start=329
-  _globals['_OPENSESSIONRESPONSE']._serialized_end=370
-  _globals['_CLOSESESSIONREQUEST']._serialized_start=372
-  _globals['_CLOSESESSIONREQUEST']._serialized_end=413
-  _globals['_CLOSESESSIONRESPONSE']._serialized_start=415
-  _globals['_CLOSESESSIONRESPONSE']._serialized_end=437
-  _globals['_SAMPLINGPARAMS']._serialized_start=439
-  _globals['_SAMPLINGPARAMS']._serialized_end=520
-  _globals['_FORWARDREQUEST']._serialized_start=523
-  _globals['_FORWARDREQUEST']._serialized_end=811
-  _globals['_RELAYSTATUS']._serialized_start=813
-  _globals['_RELAYSTATUS']._serialized_end=877
-  _globals['_FORWARDRESPONSE']._serialized_start=880
-  _globals['_FORWARDRESPONSE']._serialized_end=1029
-  _globals['_READOUTPUTREQUEST']._serialized_start=1031
-  _globals['_READOUTPUTREQUEST']._serialized_end=1120
-  _globals['_OUTPUTCHUNK']._serialized_start=1122
-  _globals['_OUTPUTCHUNK']._serialized_end=1188
-  _globals['_INFOREQUEST']._serialized_start=1190
-  _globals['_INFOREQUEST']._serialized_end=1203
-  _globals['_STAGEINFO']._serialized_start=1206
-  _globals['_STAGEINFO']._serialized_end=1986
-  _globals['_STAGEINFO_DECODEPHASESECONDSENTRY']._serialized_start=1929
-  _globals['_STAGEINFO_DECODEPHASESECONDSENTRY']._serialized_end=1986
-  _globals['_STAGE']._serialized_start=1989
-  _globals['_STAGE']._serialized_end=2449
+  _globals['_OPENSESSIONREQUEST']._serialized_end=455
+  _globals['_OPENSESSIONREQUEST_TRACECONTEXTENTRY']._serialized_start=404
+  _globals['_OPENSESSIONREQUEST_TRACECONTEXTENTRY']._serialized_end=455
+  _globals['_OPENSESSIONRESPONSE']._serialized_start=457
+  _globals['_OPENSESSIONRESPONSE']._serialized_end=498
+  _globals['_CLOSESESSIONREQUEST']._serialized_start=500
+  _globals['_CLOSESESSIONREQUEST']._serialized_end=541
+  _globals['_CLOSESESSIONRESPONSE']._serialized_start=543
+  _globals['_CLOSESESSIONRESPONSE']._serialized_end=565
+  _globals['_SAMPLINGPARAMS']._serialized_start=567
+  _globals['_SAMPLINGPARAMS']._serialized_end=648
+  _globals['_FORWARDREQUEST']._serialized_start=651
+  _globals['_FORWARDREQUEST']._serialized_end=939
+  _globals['_RELAYSTATUS']._serialized_start=941
+  _globals['_RELAYSTATUS']._serialized_end=1005
+  _globals['_FORWARDRESPONSE']._serialized_start=1008
+  _globals['_FORWARDRESPONSE']._serialized_end=1157
+  _globals['_READOUTPUTREQUEST']._serialized_start=1159
+  _globals['_READOUTPUTREQUEST']._serialized_end=1248
+  _globals['_OUTPUTCHUNK']._serialized_start=1250
+  _globals['_OUTPUTCHUNK']._serialized_end=1316
+  _globals['_SESSIONBATCH']._serialized_start=1318
+  _globals['_SESSIONBATCH']._serialized_end=1441
+  _globals['_SESSIONEVENTS']._serialized_start=1443
+  _globals['_SESSIONEVENTS']._serialized_end=1565
+  _globals['_INFOREQUEST']._serialized_start=1567
+  _globals['_INFOREQUEST']._serialized_end=1580
+  _globals['_STAGEINFO']._serialized_start=1583
+  _globals['_STAGEINFO']._serialized_end=2363
+  _globals['_STAGEINFO_DECODEPHASESECONDSENTRY']._serialized_start=2306
+  _globals['_STAGEINFO_DECODEPHASESECONDSENTRY']._serialized_end=2363
+  _globals['_STAGE']._serialized_start=2366
+  _globals['_STAGE']._serialized_end=2899
 # @@protoc_insertion_point(module_scope)

@@ -2,13 +2,20 @@ from stagemesh.v1 import tensor_pb2 as _tensor_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("session_id", "max_length", "request_id", "next_address", "next_key", "upstream_key", "sampling", "wire_dtype", "previous_address", "keep_output")
+    __slots__ = ("session_id", "max_length", "request_id", "next_address", "next_key", "upstream_key", "sampling", "wire_dtype", "previous_address", "keep_output", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_LENGTH_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +26,7 @@ class OpenSessionRequest(_message.Message):
     WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     PREVIOUS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     KEEP_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     max_length: int
     request_id: str
@@ -29,7 +37,8 @@ class OpenSessionRequest(_message.Message):
     wire_dtype: str
     previous_address: str
     keep_output: bool
-    def __init__(self, session_id: _Optional[str] = ..., max_length: _Optional[int] = ..., request_id: _Optional[str] = ..., next_address: _Optional[str] = ..., next_key: _Optional[str] = ..., upstream_key: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., wire_dtype: _Optional[str] = ..., previous_address: _Optional[str] = ..., keep_output: _Optional[bool] = ...) -> None: ...
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, session_id: _Optional[str] = ..., max_length: _Optional[int] = ..., request_id: _Optional[str] = ..., next_address: _Optional[str] = ..., next_key: _Optional[str] = ..., upstream_key: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., wire_dtype: _Optional[str] = ..., previous_address: _Optional[str] = ..., keep_output: _Optional[bool] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
     __slots__ = ("session_id",)
@@ -124,6 +133,26 @@ class OutputChunk(_message.Message):
     start: int
     hidden: _tensor_pb2.Tensor
     def __init__(self, start: _Optional[int] = ..., hidden: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
+
+class SessionBatch(_message.Message):
+    __slots__ = ("opens", "steps", "close")
+    OPENS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    CLOSE_FIELD_NUMBER: _ClassVar[int]
+    opens: _containers.RepeatedCompositeFieldContainer[OpenSessionRequest]
+    steps: _containers.RepeatedCompositeFieldContainer[ForwardRequest]
+    close: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, opens: _Optional[_Iterable[_Union[OpenSessionRequest, _Mapping]]] = ..., steps: _Optional[_Iterable[_Union[ForwardRequest, _Mapping]]] = ..., close: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SessionEvents(_message.Message):
+    __slots__ = ("opened", "results", "faults")
+    OPENED_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    FAULTS_FIELD_NUMBER: _ClassVar[int]
+    opened: _containers.RepeatedScalarFieldContainer[str]
+    results: _containers.RepeatedCompositeFieldContainer[ForwardResponse]
+    faults: _containers.RepeatedCompositeFieldContainer[RelayStatus]
+    def __init__(self, opened: _Optional[_Iterable[str]] = ..., results: _Optional[_Iterable[_Union[ForwardResponse, _Mapping]]] = ..., faults: _Optional[_Iterable[_Union[RelayStatus, _Mapping]]] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()

@@ -35,10 +35,11 @@ class StageStub:
     --forwarding): the router opens every stage's session naming its next stage (next_address) and a hop
     key; it sends token ids to the first stage only, each stage sends its output hidden states
     straight to the next over Relay (one long-lived stream per neighbour, many sessions on it), and
-    the last stage answers the sampled token on the router's own Forward stream to it, which the
-    router attached to the session with a `follow` request. Faults reach the router on the Forward
-    stream it holds on the stage that saw them: that stream ends with the status, naming the stage
-    (or its unreachable next stage).
+    the last stage answers the sampled token to the router. Routers carry all of it on Sessions (one
+    long-lived stream per router and stage, many sessions on it): opens, steps and closes one way,
+    opened, tokens and per-session faults (naming the stage, or its unreachable next stage) the other.
+    (Forward with a `follow` request attaches one session's results and fault to a Forward stream
+    instead: the stream then ends with the session's fault.)
 
     Who may step a session: its opener, on a Forward stream of the connection that opened it; and,
     for a session opened with an upstream_key, whoever presents that key on Relay (the previous stage,
@@ -73,6 +74,11 @@ class StageStub:
                 request_serializer=stagemesh_dot_v1_dot_stage__pb2.ForwardRequest.SerializeToString,
                 response_deserializer=stagemesh_dot_v1_dot_stage__pb2.RelayStatus.FromString,
                 _registered_method=True)
+        self.Sessions = channel.stream_stream(
+                '/stagemesh.v1.Stage/Sessions',
+                request_serializer=stagemesh_dot_v1_dot_stage__pb2.SessionBatch.SerializeToString,
+                response_deserializer=stagemesh_dot_v1_dot_stage__pb2.SessionEvents.FromString,
+                _registered_method=True)
         self.Info = channel.unary_unary(
                 '/stagemesh.v1.Stage/Info',
                 request_serializer=stagemesh_dot_v1_dot_stage__pb2.InfoRequest.SerializeToString,
@@ -95,10 +101,11 @@ class StageServicer:
     --forwarding): the router opens every stage's session naming its next stage (next_address) and a hop
     key; it sends token ids to the first stage only, each stage sends its output hidden states
     straight to the next over Relay (one long-lived stream per neighbour, many sessions on it), and
-    the last stage answers the sampled token on the router's own Forward stream to it, which the
-    router attached to the session with a `follow` request. Faults reach the router on the Forward
-    stream it holds on the stage that saw them: that stream ends with the status, naming the stage
-    (or its unreachable next stage).
+    the last stage answers the sampled token to the router. Routers carry all of it on Sessions (one
+    long-lived stream per router and stage, many sessions on it): opens, steps and closes one way,
+    opened, tokens and per-session faults (naming the stage, or its unreachable next stage) the other.
+    (Forward with a `follow` request attaches one session's results and fault to a Forward stream
+    instead: the stream then ends with the session's fault.)
 
     Who may step a session: its opener, on a Forward stream of the connection that opened it; and,
     for a session opened with an upstream_key, whoever presents that key on Relay (the previous stage,
@@ -148,6 +155,20 @@ class StageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Sessions(self, request_iterator, context):
+        """Forwarding, router to stage: one long-lived stream per (router connection, stage) carrying many
+        sessions, their traffic batched (one message holds whatever each side had queued). The router opens
+        sessions on it (each answered `opened` or with a fault), sends the first stage's steps, and closes
+        sessions; the stage answers the last stage's tokens (and logits) and each session's fault. A
+        session opened or stepped here belongs to this stream: only this connection may step it, and it is
+        closed when the stream ends. A fault (a bad step: INVALID_ARGUMENT; another connection's session:
+        NOT_FOUND; a full pool: RESOURCE_EXHAUSTED; its next stage unreachable: UNAVAILABLE) ends that
+        session only, never the stream. The stream ends UNAVAILABLE when the stage stops or swaps its slice.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Info(self, request, context):
         """What this stage holds and how loaded it is.
         """
@@ -190,6 +211,11 @@ def add_StageServicer_to_server(servicer, server):
                     request_deserializer=stagemesh_dot_v1_dot_stage__pb2.ForwardRequest.FromString,
                     response_serializer=stagemesh_dot_v1_dot_stage__pb2.RelayStatus.SerializeToString,
             ),
+            'Sessions': grpc.stream_stream_rpc_method_handler(
+                    servicer.Sessions,
+                    request_deserializer=stagemesh_dot_v1_dot_stage__pb2.SessionBatch.FromString,
+                    response_serializer=stagemesh_dot_v1_dot_stage__pb2.SessionEvents.SerializeToString,
+            ),
             'Info': grpc.unary_unary_rpc_method_handler(
                     servicer.Info,
                     request_deserializer=stagemesh_dot_v1_dot_stage__pb2.InfoRequest.FromString,
@@ -218,10 +244,11 @@ class Stage:
     --forwarding): the router opens every stage's session naming its next stage (next_address) and a hop
     key; it sends token ids to the first stage only, each stage sends its output hidden states
     straight to the next over Relay (one long-lived stream per neighbour, many sessions on it), and
-    the last stage answers the sampled token on the router's own Forward stream to it, which the
-    router attached to the session with a `follow` request. Faults reach the router on the Forward
-    stream it holds on the stage that saw them: that stream ends with the status, naming the stage
-    (or its unreachable next stage).
+    the last stage answers the sampled token to the router. Routers carry all of it on Sessions (one
+    long-lived stream per router and stage, many sessions on it): opens, steps and closes one way,
+    opened, tokens and per-session faults (naming the stage, or its unreachable next stage) the other.
+    (Forward with a `follow` request attaches one session's results and fault to a Forward stream
+    instead: the stream then ends with the session's fault.)
 
     Who may step a session: its opener, on a Forward stream of the connection that opened it; and,
     for a session opened with an upstream_key, whoever presents that key on Relay (the previous stage,
@@ -328,6 +355,33 @@ class Stage:
             '/stagemesh.v1.Stage/Relay',
             stagemesh_dot_v1_dot_stage__pb2.ForwardRequest.SerializeToString,
             stagemesh_dot_v1_dot_stage__pb2.RelayStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Sessions(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/stagemesh.v1.Stage/Sessions',
+            stagemesh_dot_v1_dot_stage__pb2.SessionBatch.SerializeToString,
+            stagemesh_dot_v1_dot_stage__pb2.SessionEvents.FromString,
             options,
             channel_credentials,
             insecure,
