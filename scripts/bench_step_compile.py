@@ -7,7 +7,8 @@ eager pass. The stage's --compile uses c_keept (stage_server/compiled.py).
 Variants (run alternately, medians): eager (StageModel.forward), stage (StageModel.forward with --compile's
 CompiledDecode: c_keept plus the block tables and positions made per pass), c (torch.compile, default guards), c_skipmod
 (guard_filter_fn=skip_guard_on_all_nn_modules_unsafe), c_keept (keep_tensor_guards_unsafe), a "cpp" in the name
-adds cpp_wrapper.
+adds cpp_wrapper, a "static" static shapes (a graph per batch size and per power-of-two bucket of key blocks,
+NULL_BLOCK padding) instead of dynamic batch size and key length.
 """
 
 from __future__ import annotations
@@ -40,8 +41,9 @@ def compiled_variant(fn, name: str):
         opts["guard_filter_fn"] = tc.keep_tensor_guards_unsafe
     if "cpp" in name:
         opts["cpp_wrapper"] = True
+    # its own code object: its own cache
     fresh = types.FunctionType(fn.__code__.replace(co_name=f"step_{name}"), fn.__globals__, closure=fn.__closure__)
-    return torch.compile(fresh, dynamic=True, fullgraph=True, options=opts)  # its own code object: its own cache
+    return torch.compile(fresh, dynamic="static" not in name, fullgraph=True, options=opts)
 
 
 def main() -> None:
@@ -84,6 +86,8 @@ def run_size(model: StageModel, B: int, args: argparse.Namespace) -> None:
                 return model(x, steps)
             pos = torch.tensor([st.start for st in steps])
             nb = max(2, pool.blocks_for(max(st.start for st in steps) + 1))  # nb >= 2: no 0/1 specialisation
+            if "static" in f.__name__:  # static shapes: key blocks padded to a power of two (a graph per bucket)
+                nb = 1 << (nb - 1).bit_length()
             table = torch.tensor([c.blocks[:nb] + [NULL_BLOCK] * (nb - len(c.blocks[:nb])) for c in caches])
             out = f(x, pos, table, cos, sin, pool.k, pool.v)
             for st in steps:
