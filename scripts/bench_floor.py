@@ -10,13 +10,16 @@
    into a bytearray; now viewed as they are).
 2. Tiny Llama (hidden 256, 8 layers), a 2-stage chain of 1-thread stage processes driven through the router's
    Generate stream (bench.py's start_local_mesh and mesh_decode), against transformers' generate() in one
-   process on 1 thread: decode ms/token and the ratio; with --compile off and on.
+   process on 1 thread: decode ms/token and the ratio; with --compile off and on (--compile: each stage's decode
+   passes as one compiled graph, stage_server/compiled.py; its compilation shows in the cold start).
 3. A per-step breakdown of each stage of that chain (stage_server/step_timing.py: the stage's own phase timers,
    read from Stage/Info before and after the decode runs): wire decode, batch assembly, model, sampling,
    encode; what the token costs beyond both stages' phases is gRPC, event loops, the router and the hops.
 4. ~270M Llama: one- and two-thread memory-bandwidth ceilings (a float32 GEMV over a matrix the size of the
    weights: the time to stream the weights once), a 2-stage chain of 1-thread stages as a share of the
-   one-thread ceiling, one stage with 2 threads as a share of the two-thread ceiling.
+   one-thread ceiling, one stage with 2 threads as a share of the two-thread ceiling; with --medium-compile the
+   2-stage chain again with --compile (its first compilation, with inductor's cache cold, can outlast the
+   launcher's 120 s wait for a ready stage on a busy machine).
 
 Writes DIR/floor.json. Speed is only measured here, never asserted.
 """
@@ -243,6 +246,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="the wire and the tiny chain only, few tokens, no --compile")
     p.add_argument("--no-medium", action="store_true", help="skip the ~270M model")
     p.add_argument("--no-compile", action="store_true", help="skip the tiny chain with --compile")
+    p.add_argument("--medium-compile", action="store_true", help="the ~270M 2-stage chain with --compile too")
     p.add_argument("--repeats", type=int, default=5, help="decode runs per system (medians)")
     p.add_argument("--tokens", type=int, default=128, help="tokens per decode run (tiny model; ~270M: a quarter)")
     p.add_argument("--out", type=Path, default=Path("bench-out"))
@@ -288,8 +292,10 @@ def main(argv: list[str] | None = None) -> None:
             # Measured before and after the chains, the faster kept: a busy machine only lowers a ceiling.
             first = {n: disturbed(notes, f"ceiling {n}", ceiling, medium, n, 9, Path(tmp)) for n in (1, 2)}
             mhf = disturbed(notes, "~270M transformers", run_transformers, medium, 1, mplan, mw, Path(tmp))
-            mchains = [disturbed(notes, f"~270M {n}x{t}", run_chain, medium, n, t, mplan, mw,
-                                 args.out / "logs" / f"floor-medium-{n}x{t}", []) for n, t in ((2, 1), (1, 2))]
+            layouts = [(2, 1, []), (1, 2, [])] + ([(2, 1, ["--compile"])] if args.medium_compile else [])
+            mchains = [disturbed(notes, f"~270M {n}x{t} {' '.join(extra)}".strip(), run_chain, medium, n, t, mplan, mw,
+                                 args.out / "logs" / f"floor-medium-{n}x{t}{'-compile' if extra else ''}", extra)
+                       for n, t, extra in layouts]
             ceilings = {str(n): best_ceiling(first[n], ceiling(medium, n, 9, Path(tmp))) for n in (1, 2)}
             report["medium"] = {"ceilings": ceilings, "transformers": mhf, "chains": mchains}
             print_medium(ceilings, mchains, mhf)

@@ -1,49 +1,124 @@
-"""--compile: torch.compile (inductor) of a stage's per-token compute, module by module, with a fallback.
+"""--compile: a stage's decode passes run as one torch.compile'd (inductor) graph, with a fallback to eager.
 
-Compiled at module granularity on interfaces that stay put, [T, hidden] in and out: each layer's MLP and
-RMSNorms, and the last stage's final norm and LM head. Attention (its KV cache and per-session steps) stays
-eager, so a rewrite of it does not meet the compiler. The token dimension is dynamic (dynamo specialises
-T=1, a decode pass, apart from T>1), and one graph serves every layer (parameters are graph inputs).
+A pass whose every row is one session's one new token (the batcher's decode passes) goes through the whole
+decode pass of stage_server/decode_graph.py, compiled once per stage: all layers, K/V writes into the paged
+pool, masks and gathers, the LM head. Anything else (prefill chunks, passes that mix them with decode steps)
+runs eager, as without the flag. Per-module compilation (each MLP, norm and the LM head apart) was measured
+slower than eager on this CPU (README, Performance) and is gone.
 
-Compilation happens on first call, so the stage's warm-up (stage_server/server.py) runs a decode and a
-prefill shape before the stage says SERVING. If that fails, every module goes back to eager, logged once,
-and the stage serves as without the flag. On this CPU it does not pay at batch 1 (README, Performance):
-each compiled call costs more in guards and wrappers than fusing saves. CUDA graphs are not implemented:
-today's attention loops over sessions with per-session cache lengths, which no static graph can hold.
+Shapes: the batch size B and the block-table width nb (key blocks) are dynamic, so a stage compiles two graphs
+(B = 1, which dynamo specialises, and B >= 2) rather than one per size; nb is at least 2 for the same reason.
+The stage's warm-up (warm_up_decode, before SERVING) compiles both, and the cold-start log line counts the
+time. Guards: tensor guards only (torch.compiler.keep_tensor_guards_unsafe: dynamo's other guards were ~30%
+of a compiled call), safe because a stage's model and pool never change under their graph; each stage's
+compile keeps its own graphs (isolate_recompiles), so two stages in one process never share one.
+
+Compilation that fails (in the warm-up or on a later shape) sends the stage back to eager for good, logged
+once; the pass that failed runs eager. --tp is refused with --compile (the ranks' all-reduces are not in
+the graph), and so is --quantize (config.py). CUDA graphs are not implemented: they need static shapes per
+padded batch bucket, and no GPU was lent to try them.
 """
 
 from __future__ import annotations
 
 import logging
 
-from torch import nn
+import torch
+import torch.compiler
+from torch._inductor.compile_fx import compile_fx
 
-from stage_server.model import MLP, RMSNorm, StageModel
+from stage_server.decode_graph import decode_pass_fn
+from stage_server.kv_pool import NULL_BLOCK, KVPool
+from stage_server.model import StageModel, StepSlice
 
 log = logging.getLogger("stagemesh.stage")
 
 
-def compiled_modules(model: StageModel) -> list[nn.Module]:
-    """What --compile compiles: MLPs and norms of every layer, the final norm and the LM head."""
-    mods: list[nn.Module] = [m for m in model.modules() if isinstance(m, (MLP, RMSNorm))]
-    if model.lm_head is not None:
-        mods.append(model.lm_head)
-    return mods
+class CompiledDecode:
+    """model's decode passes through one compiled graph (per shape class); model.decode_graph holds it."""
+
+    def __init__(self, model: StageModel):
+        self.model = model
+        self.graphs = 0  # graphs inductor has compiled for this stage (a recompile adds one)
+        self._fn = None
+        self._block_size = 0
+        self._rope_marked: torch.Tensor | None = None
+
+    def _compiler(self, gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        self.graphs += 1
+        return compile_fx(gm, example_inputs)
+
+    def _compiled(self, block_size: int):
+        if self._fn is None or block_size != self._block_size:
+            self._fn = torch.compile(decode_pass_fn(self.model, block_size), backend=self._compiler, dynamic=True,
+                                     fullgraph=True, isolate_recompiles=True,
+                                     options={"guard_filter_fn": torch.compiler.keep_tensor_guards_unsafe})
+            self._block_size = block_size
+        return self._fn
+
+    def __call__(self, inputs: torch.Tensor, steps: list[StepSlice]) -> torch.Tensor | None:
+        """inputs: [B] token ids or [B, hidden]; steps: B decode steps at offsets 0..B-1. Returns what
+        StageModel.forward returns (it sets the caches' lengths), or None when compilation failed: the stage
+        is eager from now on, and the pass runs eager (it rewrites whatever K/V this one wrote)."""
+        try:
+            return self._run(inputs, steps)
+        except Exception as exc:  # the compiler's failure, whatever its kind
+            uncompile_stage(self.model, exc)
+            return None
+
+    def _run(self, inputs: torch.Tensor, steps: list[StepSlice]) -> torch.Tensor:
+        pool = steps[0].cache.pool
+        end = max(st.start for st in steps) + 1
+        nb = max(2, pool.blocks_for(end))  # 2 at least: dynamo would specialise a width of 1
+        table = torch.tensor([st.cache.blocks[:nb] + [NULL_BLOCK] * (nb - len(st.cache.blocks[:nb])) for st in steps],
+                             device=inputs.device)  # [B, nb]
+        pos = torch.tensor([st.start for st in steps], device=inputs.device)  # [B]
+        cos, sin = self.model.rope(end, self.model.dtype)
+        if self._rope_marked is not cos:  # the pool and the rope tables are static: their sizes never vary
+            for t in (cos, sin, pool.k, pool.v):
+                torch._dynamo.mark_static(t)
+            self._rope_marked = cos
+        return self._compiled(pool.block_size)(inputs, pos, table, cos, sin, pool.k, pool.v)
 
 
 def compile_stage(model: StageModel) -> None:
-    """Marks the modules for compilation (in place: parameter names stay, nothing compiles yet)."""
-    for module in compiled_modules(model):
-        module.compile(dynamic=True)
+    """From now on model's decode passes go through a compiled graph (compiled on first use: warm_up_decode)."""
+    model.decode_graph = CompiledDecode(model)
 
 
 def uncompile_stage(model: StageModel, reason: BaseException) -> None:
-    """Back to eager for good (nn.Module.compile keeps the compiled call beside the eager one)."""
-    for module in compiled_modules(model):
-        module._compiled_call_impl = None
+    """Back to eager for good, logged once."""
+    model.decode_graph = None
     first_line = (str(reason).strip().splitlines() or [""])[0]
     log.warning(f"--compile: compilation failed ({type(reason).__name__}: {first_line}); serving eager")
 
 
 def is_compiled(model: StageModel) -> bool:
-    return any(getattr(m, "_compiled_call_impl", None) is not None for m in compiled_modules(model))
+    return model.decode_graph is not None
+
+
+def compiled_graphs(model: StageModel) -> int:
+    """Graphs compiled so far for model's decode passes (0 when eager)."""
+    return model.decode_graph.graphs if model.decode_graph is not None else 0
+
+
+def warm_up_decode(model: StageModel, pool: KVPool) -> None:
+    """Compiles the decode graphs the stage will use, before SERVING: a pass of one session (B = 1) and one of
+    two (B >= 2), over scratch sessions of 2 and 3 blocks (B and nb unequal: dynamo would tie equal sizes)."""
+    bs = pool.block_size
+    caches = [pool.allocate(3 * bs + 2) for _ in range(2)]
+    try:
+        for cache, n in zip(caches, (bs + 1, 2 * bs + 1), strict=True):
+            pool.grow(cache, n)
+            model(model.scratch_inputs(n), [StepSlice(cache, 0, 0, n)])  # eager prefill
+        # specialize_float: the graph's float constants stay constants (else dynamo traces each graph twice).
+        with torch._dynamo.config.patch(specialize_float=True):
+            for batch in (caches[:1], caches):
+                steps = []
+                for i, cache in enumerate(batch):
+                    pool.grow(cache, cache.length + 1)
+                    steps.append(StepSlice(cache, i, cache.length, 1))
+                model(model.scratch_inputs(len(steps)), steps)
+    finally:
+        for cache in caches:
+            pool.release(cache)

@@ -127,8 +127,9 @@ class StageConfig:
     """Accelerator devices on this machine, announced to the scheduler (meta "devices"; default: CUDA's device
     count on CUDA, else 1): on a machine with several it may advise --tp."""
     compile: bool = False
-    """torch.compile (inductor) each layer's MLP and norms and the LM head, during the warm-up before SERVING
-    (the time shows in the cold start); eager, logged once, if compilation fails (stage_server/compiled.py)."""
+    """torch.compile (inductor) the whole decode pass (all layers, KV writes, attention, LM head) as one graph;
+    prefill stays eager. Compiled in the warm-up before SERVING (the time shows in the cold start); eager, logged
+    once, if compilation fails (stage_server/compiled.py). Not with --quantize or --tp."""
 
     tp: int = 1
     """Tensor-parallel ranks: the slice runs on this many processes of this host (one per CUDA device on a GPU
@@ -189,6 +190,9 @@ class StageConfig:
                                       "attention and KV heads)")
         if self.tp > 1 and (self.quantize != "none" or self.compile):
             raise refused(self, "tp", "is not supported with --quantize or --compile yet; leave those out")
+        if self.compile and self.quantize != "none":
+            raise refused(self, "compile", "is not supported with --quantize yet (the compiled decode pass has no "
+                                           "int8 kernels); leave one of them out")
         if self.devices is not None and not self.devices >= 1:
             raise refused(self, "devices", "must be >= 1 (leave it out to count this machine's CUDA devices)")
         self.host_id = self.host_id or socket.gethostname()

@@ -166,6 +166,7 @@ class StageModel(nn.Module):
         self.rope_scale = rope_scale
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # rope_tables(), made on first use
         self.load_s = 0.0  # how long loading took (cold start), set by the stage server
+        self.decode_graph = None  # --compile: decode passes' compiled graph (stage_server/compiled.py)
         self.tp_group = None  # rank 0 of a tensor-parallel stage: its TPGroup (stage_server/tensor_parallel.py)
 
     # Read from a norm weight: Linear layers may be quantized (stage_server/quantize.py).
@@ -185,6 +186,12 @@ class StageModel(nn.Module):
             self._rope = rope_tables(self.inv_freq, self.rope_scale, n, dtype)
         return self._rope
 
+    def scratch_inputs(self, n: int) -> torch.Tensor:
+        """Inputs of n tokens for a warm-up pass: token ids [n] on the first stage, hidden states [n, hidden]."""
+        if self.is_first:
+            return torch.zeros(n, dtype=torch.long, device=self.device)
+        return torch.zeros(n, self.args.hidden_size, dtype=self.dtype, device=self.device)
+
     @torch.inference_mode()
     def forward(self, inputs: torch.Tensor, steps: list[StepSlice]) -> torch.Tensor:
         """inputs: token ids [T] on the first stage, hidden states [T, hidden] elsewhere; every step's
@@ -193,6 +200,12 @@ class StageModel(nn.Module):
         Returns hidden states [T, hidden], or on the last stage the logits of each step's
         last position [len(steps), vocab] in float32. Advances each step's cache length.
         """
+        if self.decode_graph is not None and len(steps) == inputs.shape[0]:  # decode steps only: compiled
+            out = self.decode_graph(inputs, steps)  # None: compilation failed, the stage is eager from now on
+            if out is not None:
+                for st in steps:
+                    st.cache.length = st.start + 1
+                return out
         x = self.embed_tokens(inputs) if self.is_first else inputs.to(self.dtype)  # [T, hidden]
         rope = self.rope(max(st.start + st.length for st in steps), x.dtype)
         # Rotary rows, slots, gather indices and masks: made once per pass, used by every layer.

@@ -13,7 +13,7 @@ import torch
 from grpc_health.v1 import health_pb2
 
 from stage_server.batcher import StepBatcher
-from stage_server.compiled import compile_stage, is_compiled, uncompile_stage
+from stage_server.compiled import compile_stage, compiled_graphs, is_compiled, warm_up_decode
 from stage_server.config import StageConfig, max_step_bytes, split_host_port
 from stage_server.kv_pool import KVPool
 from stage_server.loader import TORCH_DTYPES, load_stage
@@ -119,9 +119,7 @@ def _scratch_passes(model: StageModel, pool: KVPool, lengths: tuple[int, ...]) -
         start = 0
         for n in lengths:
             pool.grow(cache, start + n)
-            inputs = (torch.zeros(n, dtype=torch.long, device=model.device) if model.is_first
-                      else torch.zeros(n, model.args.hidden_size, dtype=model.dtype, device=model.device))
-            model(inputs, [StepSlice(cache, 0, start, n)])
+            model(model.scratch_inputs(n), [StepSlice(cache, 0, start, n)])
             start += n
     finally:
         pool.release(cache)
@@ -129,14 +127,11 @@ def _scratch_passes(model: StageModel, pool: KVPool, lengths: tuple[int, ...]) -
 
 def warm_up(model: StageModel, pool: KVPool) -> float:
     """A pass over a scratch session before the stage says SERVING, so that the first caller does
-    not pay for first-use costs (allocator growth, kernel selection, --compile's compilation: a prefill
-    and a decode shape); returns its seconds. A compilation that fails leaves the stage eager."""
+    not pay for first-use costs (allocator growth, kernel selection, --compile's compilation of its decode
+    graphs); returns its seconds. A compilation that fails leaves the stage eager (logged once)."""
     t0 = time.perf_counter()
     if is_compiled(model):
-        try:
-            _scratch_passes(model, pool, (2, 1))
-        except Exception as exc:  # the compiler's failure, whatever its kind: serve eager instead
-            uncompile_stage(model, exc)
+        warm_up_decode(model, pool)
     _scratch_passes(model, pool, (1,))
     return time.perf_counter() - t0
 
@@ -221,8 +216,8 @@ class StageServer:
         self.pool = KVPool(kv_bytes, len(model.layers), args.num_kv_heads, args.head_dim, model.dtype, model.device,
                            config.kv_block_size, config.kv_lookahead_blocks)
         warm_s = await asyncio.to_thread(warm_up, model, self.pool)
-        compiled = (" with torch.compile" if is_compiled(model) else " (eager: compilation failed)") \
-            if config.compile else ""
+        compiled = (f" with torch.compile ({compiled_graphs(model)} decode graphs)" if is_compiled(model)
+                    else " (eager: compilation failed)") if config.compile else ""
         model.load_s += warm_s  # the cold start: load, then warm-up (and compilation) before serving
         log.info(f"warm-up in {warm_s * 1000:.0f} ms{compiled}; cold start {model.load_s:.2f}s before serving",
                  extra={"stage": self.address})

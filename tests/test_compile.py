@@ -1,7 +1,8 @@
-"""--compile: torch.compile (inductor) of each layer's MLP and norms and the LM head stays exact (greedy tokens
-identical to transformers, logits within 1e-4 in float32) for every family over a 2-stage split; a compilation
-that fails leaves the stage serving eager. Marked `compile`: each stage compiles in its warm-up (a few seconds
-per stage on 2 cores once inductor's cache is warm, ~20 s the first time)."""
+"""--compile: a stage's decode passes run as one compiled graph (stage_server/compiled.py) and stay exact:
+greedy tokens identical to transformers and logits within 1e-4 in float32, for Llama, Mistral with a sliding
+window and Qwen2 (biases), a whole model in one stage and a 2-stage split; batched decode passes of sessions of
+different lengths; no recompilation once warmed up; a compilation that fails leaves the stage serving eager.
+Marked `compile`: each stage compiles two graphs in its warm-up (5-30 s a stage on 2 busy cores)."""
 
 from __future__ import annotations
 
@@ -10,37 +11,102 @@ import logging
 import pytest
 import torch
 import torch._inductor.config as inductor_config
+from transformers import AutoModelForCausalLM
 
-from stage_server.compiled import is_compiled
+from stage_server.compiled import compile_stage, compiled_graphs, is_compiled, warm_up_decode
+from stage_server.config import StageConfig
+from stage_server.kv_pool import KVPool
+from stage_server.loader import load_stage
+from stage_server.model import StepSlice
+from stagemesh.tiny_model import make_tiny_model
 from stagemesh.v1 import router_pb2
-from tests.conftest import FAMILIES, collect, hf_greedy, splits, start_mesh, stepped_logits
+from tests.conftest import NUM_LAYERS, collect, hf_greedy, splits, start_mesh, stepped_logits
 from tests.test_exactness import prompt
 
 pytestmark = pytest.mark.compile
 
-
-async def greedy_and_logits(mesh, n_tokens: int, ids: list[int]) -> tuple[list[int], list[torch.Tensor], list[int]]:
-    """(router's greedy tokens, per-step logits through a ChainSession, that session's tokens)."""
-    got, _, _ = await collect(mesh.router_stub.Generate(router_pb2.GenerateRequest(token_ids=ids,
-                                                                                   max_new_tokens=n_tokens)))
-    tokens, logits = await stepped_logits([s.address for s in mesh.stages[0]], ids, 6, "compile-test")
-    return got, logits, tokens
+MODELS = ("llama", "windowed-mistral", "qwen2")
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-async def test_compiled_split_is_exact(tiny_models, hf_models, family):
-    mesh = await start_mesh(tiny_models[family], [splits(3, 5)], stage_options={"compile": True})
+@pytest.fixture(scope="module")
+def compile_models(tiny_models, tmp_path_factory):
+    """The tiny models, Mistral's with a 16-position sliding window (the prompts below run past it)."""
+    windowed = make_tiny_model(tmp_path_factory.mktemp("windowed") / "mistral", "mistral", layers=NUM_LAYERS,
+                               sliding_window=16, seed=7)
+    return {"llama": tiny_models["llama"], "windowed-mistral": windowed, "qwen2": tiny_models["qwen2"]}
+
+
+@pytest.mark.parametrize("family", MODELS)
+def test_batched_decode_passes_compiled_match_transformers(compile_models, family):
+    """The whole model in one compiled stage, in process: sessions of 1-17 positions in 4-position blocks, decoded
+    together in passes of 1 to 4 of them (the batcher's decode passes), each crossing many block boundaries.
+    Every step's logits within 1e-4 of transformers' forward pass, greedy tokens the same, and no graph compiled
+    after the warm-up as the batch size and the key length vary."""
+    path = compile_models[family]
+    model = load_stage(path, 0, None)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    a = model.args
+    pool = KVPool(1 << 22, len(model.layers), a.num_kv_heads, a.head_dim, model.dtype, "cpu", block_size=4)
+    compile_stage(model)
+    warm_up_decode(model, pool)
+    assert is_compiled(model)
+    warmed = compiled_graphs(model)
+    assert 1 <= warmed <= 2  # B = 1 and B >= 2
+    seqs = [prompt(n, seed=60 + n) for n in (1, 5, 9, 17)]
+    caches = [pool.allocate(64) for _ in seqs]
+    steps, offset = [], 0
+    for cache, ids in zip(caches, seqs, strict=True):  # one eager prefill pass for all of them
+        pool.grow(cache, len(ids))
+        steps.append(StepSlice(cache, offset, 0, len(ids)))
+        offset += len(ids)
+    out = model(torch.tensor([t for ids in seqs for t in ids]), steps)
+    for ids, row in zip(seqs, out, strict=True):
+        ids.append(int(row.argmax()))
+    for k in range(14):
+        batch = [0, 1, 2, 3][: (4, 1, 3, 2)[k % 4]] if k % 5 else [3, 1]  # sizes 1-4, sessions in any order
+        steps = []
+        for i, s in enumerate(batch):
+            pool.grow(caches[s], caches[s].length + 1)
+            steps.append(StepSlice(caches[s], i, caches[s].length, 1))
+        out = model(torch.tensor([seqs[s][-1] for s in batch]), steps)  # one compiled pass
+        with torch.inference_mode():
+            for s, row in zip(batch, out, strict=True):
+                ref = hf(torch.tensor([seqs[s]])).logits[0, -1]
+                torch.testing.assert_close(row, ref, atol=1e-4, rtol=0)
+                assert int(row.argmax()) == int(ref.argmax())
+                seqs[s].append(int(row.argmax()))
+    assert max(c.length for c in caches) > 16 + 4  # past the window, over many blocks
+    assert is_compiled(model) and compiled_graphs(model) == warmed  # no recompilation
+
+
+@pytest.mark.parametrize("family", MODELS)
+async def test_compiled_split_is_exact(compile_models, family):
+    """A 2-stage split served over gRPC with --compile: the router's greedy tokens equal transformers'
+    generate(), each step's logits within 1e-4 of its forward pass, and no stage compiles again after its
+    warm-up."""
+    path = compile_models[family]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    mesh = await start_mesh(path, [splits(3, 5)], stage_options={"compile": True})
     try:
         assert all(is_compiled(s.model) for s in mesh.all_stages())  # compiled, not fallen back to eager
+        warmed = [compiled_graphs(s.model) for s in mesh.all_stages()]
         ids = prompt(20, seed=31)
-        got, logits, tokens = await greedy_and_logits(mesh, 24, ids)
-        assert got == hf_greedy(hf_models[family], ids, 24)
+        got, _, _ = await collect(mesh.router_stub.Generate(router_pb2.GenerateRequest(token_ids=ids,
+                                                                                       max_new_tokens=24)))
+        assert got == hf_greedy(hf, ids, 24)
+        tokens, logits = await stepped_logits([s.address for s in mesh.stages[0]], ids, 6, "compile-test")
         with torch.inference_mode():
-            ref = hf_models[family](torch.tensor([ids + tokens])).logits[0]
+            ref = hf(torch.tensor([ids + tokens])).logits[0]
         for k, row in enumerate(logits):
             torch.testing.assert_close(row, ref[len(ids) - 1 + k], atol=1e-4, rtol=0)
+        assert [compiled_graphs(s.model) for s in mesh.all_stages()] == warmed
     finally:
         await mesh.stop()
+
+
+def test_compile_is_refused_with_quantize(tiny_model):
+    with pytest.raises(ValueError, match="--compile.*--quantize"):
+        StageConfig(model=str(tiny_model), layer_start=0, layer_end=8, quantize="int8", compile=True)
 
 
 async def test_a_failed_compilation_serves_eager(tiny_models, hf_models, monkeypatch, caplog):

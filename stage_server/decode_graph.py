@@ -1,0 +1,65 @@
+"""A stage's whole decode pass (every row one session's one new token) as one function of tensors, for
+torch.compile to turn into one graph (stage_server/compiled.py wires it into the stage behind --compile).
+
+The same math as model.py's eager pass for decode steps: K/V of the new positions written into the paged
+pool, each session's keys gathered from its block table, one masked attention per layer over them, the
+layer's MLP; on the last stage the final norm and LM head. What the eager pass builds on the host once per
+pass (pass_plan.py: rotary rows, slots, gather indices, masks) is made inside the graph from two small
+tensors, the positions and the block tables, so a pass hands the graph nothing else.
+
+Two choices the compiler forces: K/V are written with index_put_ on the whole pool tensor with full indices
+(written into a view of one layer, inductor copies that layer's whole pool slice every pass); and attention
+is written out (scores, softmax, weighted sum) over an additive mask, which inductor fuses, rather than SDPA.
+Keys past a session's position, and the NULL_BLOCK padding its block table to the pass's width, are masked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from stage_server.model import StageModel, apply_rope
+
+
+def decode_pass_fn(model: StageModel, block_size: int) -> Callable[..., torch.Tensor]:
+    """The decode pass of model's slice over a pool of block_size-position blocks:
+    (inputs, pos, table, cos, sin, k_pool, v_pool) -> hidden states [B, hidden], or logits [B, vocab] in float32
+    on the last stage. inputs: token ids [B] (first stage) or hidden states [B, hidden]; pos: [B] each row's
+    position; table: [B, nb] each row's block table, padded with NULL_BLOCK; cos, sin: model.rope()'s tables;
+    k_pool, v_pool: KVPool.k and .v, [layers, kvH, slots, D], written in place."""
+    a = model.args
+    H, kvH, D, bs = a.num_heads, a.num_kv_heads, a.head_dim, block_size
+    windows = {layer.self_attn.window for layer in model.layers}
+    scale = D**-0.5
+
+    def decode_pass(inputs, pos, table, cos, sin, k_pool, v_pool):
+        x = model.embed_tokens(inputs) if model.is_first else inputs.to(model.dtype)  # [B, hidden]
+        B, nb = table.shape
+        c, s = cos[pos][:, None], sin[pos][:, None]  # [B, 1, D]
+        slot = table.gather(1, (pos // bs)[:, None])[:, 0] * bs + pos % bs  # [B] where the new K/V go
+        keys = (table[:, :, None] * bs + torch.arange(bs, device=pos.device)).view(B, nb * bs)  # [B, Lk] pool slots
+        k_pos = torch.arange(nb * bs, device=pos.device)  # [Lk]
+        masks = {}
+        for w in windows:
+            visible = k_pos[None] <= pos[:, None]  # [B, Lk]
+            if w is not None:
+                visible = visible & (pos[:, None] - k_pos[None] < w)
+            masks[w] = torch.where(visible, 0.0, float("-inf")).to(x.dtype)[None, :, None, :]  # [1, B, 1, Lk]
+        heads = torch.arange(kvH, device=pos.device)[None, :]  # [1, kvH]
+        for i, layer in enumerate(model.layers):
+            at = layer.self_attn
+            qkv = at.qkv_proj(layer.input_layernorm(x))  # [B, (H + 2 kvH) * D]
+            qk = apply_rope(qkv[:, : (H + kvH) * D].view(B, H + kvH, D), c, s)  # [B, H + kvH, D]
+            li = torch.full((1, 1), i, dtype=torch.long, device=pos.device)
+            k_pool.index_put_((li, heads, slot[:, None]), qk[:, H:])  # in place: no copy of the pool
+            v_pool.index_put_((li, heads, slot[:, None]), qkv[:, (H + kvH) * D :].view(B, kvH, D))
+            k, v = k_pool[i][:, keys], v_pool[i][:, keys]  # [kvH, B, Lk, D]
+            q = qk[:, :H].reshape(B, kvH, H // kvH, D).transpose(0, 1)  # [kvH, B, group, D]
+            scores = (q @ k.transpose(-1, -2)) * scale + masks[at.window]  # [kvH, B, group, Lk]
+            o = torch.softmax(scores, dim=-1) @ v  # [kvH, B, group, D]
+            x = x + at.o_proj(o.transpose(0, 1).reshape(B, H * D))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return model.lm_head(model.norm(x)).float() if model.is_last else x
+
+    return decode_pass
