@@ -10,7 +10,10 @@ tensors, the positions and the block tables, so a pass hands the graph nothing e
 Two choices the compiler forces: K/V are written with index_put_ on the whole pool tensor with full indices
 (written into a view of one layer, inductor copies that layer's whole pool slice every pass); and attention
 is written out (scores, softmax, weighted sum) over an additive mask, which inductor fuses, rather than SDPA.
-Keys past a session's position, and the NULL_BLOCK padding its block table to the pass's width, are masked.
+Keys past a session's position, and the NULL_BLOCK padding its block table to the pass's width, are masked,
+and masked by selection, not by adding -inf: the graph reads whole blocks, so the slots of a session's last
+block past its position were never written and hold whatever the memory held, NaN included, and
+0 * NaN (or NaN - inf) is NaN. Their scores are set to -inf and their values to 0 (both fuse into the gather).
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ def decode_pass_fn(model: StageModel, block_size: int) -> Callable[..., torch.Te
             visible = k_pos[None] <= pos[:, None]  # [B, Lk]
             if w is not None:
                 visible = visible & (pos[:, None] - k_pos[None] < w)
-            masks[w] = torch.where(visible, 0.0, float("-inf")).to(x.dtype)[None, :, None, :]  # [1, B, 1, Lk]
+            masks[w] = visible
         heads = torch.arange(kvH, device=pos.device)[None, :]  # [1, kvH]
         for i, layer in enumerate(model.layers):
             at = layer.self_attn
@@ -54,9 +57,11 @@ def decode_pass_fn(model: StageModel, block_size: int) -> Callable[..., torch.Te
             li = torch.full((1, 1), i, dtype=torch.long, device=pos.device)
             k_pool.index_put_((li, heads, slot[:, None]), qk[:, H:])  # in place: no copy of the pool
             v_pool.index_put_((li, heads, slot[:, None]), qkv[:, (H + kvH) * D :].view(B, kvH, D))
-            k, v = k_pool[i][:, keys], v_pool[i][:, keys]  # [kvH, B, Lk, D]
+            visible = masks[at.window]
+            k = k_pool[i][:, keys]  # [kvH, B, Lk, D]
+            v = torch.where(visible[None, :, :, None], v_pool[i][:, keys], 0.0)
             q = qk[:, :H].reshape(B, kvH, H // kvH, D).transpose(0, 1)  # [kvH, B, group, D]
-            scores = (q @ k.transpose(-1, -2)) * scale + masks[at.window]  # [kvH, B, group, Lk]
+            scores = torch.where(visible[None, :, None, :], (q @ k.transpose(-1, -2)) * scale, float("-inf"))
             o = torch.softmax(scores, dim=-1) @ v  # [kvH, B, group, D]
             x = x + at.o_proj(o.transpose(0, 1).reshape(B, H * D))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
