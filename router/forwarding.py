@@ -37,6 +37,7 @@ class ForwardingSession(ChainSession):
     def _open_request(self, index: int) -> stage_pb2.OpenSessionRequest:
         request = super()._open_request(index)
         request.upstream_key = self.hop_keys[index]
+        request.repairable = self.keep_output  # a broken link leaves it to the router (router/forwarding_repair.py)
         if index:
             request.previous_address = self.chain.stages[index - 1].address
         if index < len(self.chain.stages) - 1:
@@ -110,6 +111,7 @@ class ForwardingSession(ChainSession):
                 while True:
                     index, item = await self._inbox.get()
                     if isinstance(item, BaseException):
+                        self.failed_stage = index
                         raise item
                     if index == last and item is not None:
                         return item
