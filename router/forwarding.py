@@ -37,7 +37,7 @@ class ForwardingSession(ChainSession):
     def _open_request(self, index: int) -> stage_pb2.OpenSessionRequest:
         request = super()._open_request(index)
         request.upstream_key = self.hop_keys[index]
-        request.repairable = self.keep_output  # a broken link leaves it to the router (router/forwarding_repair.py)
+        request.repairable = self.keep_output  # a broken link leaves it to the router (repair.py)
         if index:
             request.previous_address = self.chain.stages[index - 1].address
         if index < len(self.chain.stages) - 1:

@@ -30,7 +30,7 @@ nothing, and a stream that only opens and closes sessions (every stage but the f
 Inbox = asyncio.Queue
 """A session's: (stage index, None: opened | ForwardResponse | REROUTED | grpc.aio.AioRpcError: its fault there)."""
 REROUTED = "rerouted"
-"""In an inbox: the stage rerouted the session (router/forwarding_repair.py)."""
+"""In an inbox: the stage rerouted the session (router/repair.py forwarding_repair)."""
 
 
 class StageMux:
