@@ -24,7 +24,7 @@ import grpc
 
 from router.chain_client import ChainSession, StageEndpoint, StepResult, _background
 from router.chains import ChainSet
-from router.forwarding import ForwardingSession
+from router.forwarding import ForwardingSession, deadline_exceeded
 from router.session_mux import REROUTED, mux_of
 from stagemesh import metrics, tensor_codec
 from stagemesh.v1 import stage_pb2, tensor_pb2
@@ -161,8 +161,9 @@ async def forwarding_repair(session: ForwardingSession, stage: StageEndpoint, hi
 async def _answer(session: ForwardingSession, index: int, wanted: object, tokens: int) -> None:
     """Waits for stage index's `wanted` (None: opened) in the session's inbox; a fault there is raised, what the
     failed step left is passed over."""
+    limit, timeout = session.progress.timeout(session.chain, max(1, tokens)), session._timeout()
     try:
-        async with asyncio.timeout(session.progress.timeout(session.chain, max(1, tokens))):
+        async with asyncio.timeout(limit if timeout is None else min(limit, timeout)):
             while True:
                 at, item = await session._inbox.get()
                 if isinstance(item, BaseException):
@@ -170,6 +171,8 @@ async def _answer(session: ForwardingSession, index: int, wanted: object, tokens
                 if at == index and item is wanted:
                     return
     except TimeoutError:
+        if timeout is not None and timeout <= limit:
+            raise deadline_exceeded() from None
         raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
                                    details=f"stage {session.chain.stages[index].address}: no answer while "
                                            "repairing the chain; replaying") from None

@@ -72,11 +72,29 @@ async def serving(stages: list[StageEndpoint], timeout_s: float = 180) -> None:
                 await asyncio.sleep(0.2)
 
 
+async def forwarding_ready(chain: Chain, timeout_s: float = 60) -> None:
+    """A one-token forwarding session goes through the chain (a stage's link to the next one may still be in
+    gRPC's reconnect backoff after the last cut)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            async with ForwardingSession(chain, 8, "bench-warmup") as session:
+                await session.step([5], sampling=Sampling())
+            return
+        except grpc.aio.AioRpcError:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.3)
+
+
 async def one_failure(pm: FaultMesh, path: str, mode: str, prefix: list[int]) -> tuple[float, int]:
     """(seconds from the cut to the next token, that token) on data path `path` (relay or forwarding)."""
     session_type = ForwardingSession if path == "forwarding" else ChainSession
     chain_a, chain_b = Chain(endpoints(pm, 0)), Chain(endpoints(pm, 1))
     await serving([*chain_a.stages, *chain_b.stages])
+    if path == "forwarding":
+        for chain in (chain_a, chain_b):
+            await forwarding_ready(chain)
     victim = 1  # chain A's middle stage
     greedy = Sampling()
     max_length = len(prefix) + DECODED + 8

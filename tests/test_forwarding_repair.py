@@ -7,6 +7,7 @@ one before the new stage re-pointed at it, and the step sent again. Tokens equal
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import grpc
 import pytest
@@ -15,6 +16,7 @@ import torch
 from router import repair
 from router.chain_client import Chain, Sampling, StageEndpoint
 from router.forwarding import ForwardingSession
+from stagemesh.v1 import router_pb2
 from tests.conftest import hf_greedy, splits, start_mesh
 from tests.test_exactness import prompt
 
@@ -68,4 +70,25 @@ async def test_a_repaired_forwarding_chain_continues_exact(tiny_model, hf_models
     finally:
         for stage in [*chain.stages, *spares]:
             await stage.close()
+        await mesh.stop()
+
+
+async def test_a_stage_whose_log_was_dropped_is_replayed_exact(tiny_model, hf_models, caplog):
+    """Stages with no room for output logs (--output-log-gb 0): the forwarding stream whose middle stage stops is
+    replayed on the other chain, exact, as before repair."""
+    caplog.set_level(logging.INFO, logger="stagemesh.router")
+    mesh = await start_mesh(tiny_model, [LAYOUT, LAYOUT], stage_options={"output_log_gb": 0.0})
+    try:
+        ids = prompt(30, seed=91)
+        call = mesh.router_stub.Generate(router_pb2.GenerateRequest(token_ids=ids, max_new_tokens=20))
+        got = []
+        while len(got) < 5:
+            got.extend((await call.read()).token_ids)
+        chain = next(c for c in mesh.stages if c[1].sessions.sessions)
+        await chain[1].stop(0)
+        while (response := await call.read()) is not grpc.aio.EOF:
+            got.extend(response.token_ids)
+        assert got == hf_greedy(hf_models["llama"], ids, 20)
+        assert "FAILED_PRECONDITION" in caplog.text and "replaying" in caplog.text
+    finally:
         await mesh.stop()
