@@ -37,6 +37,7 @@ class ForwardingSession(ChainSession):
     def _open_request(self, index: int) -> stage_pb2.OpenSessionRequest:
         request = super()._open_request(index)
         request.upstream_key = self.hop_keys[index]
+        request.repairable = self.keep_output  # a broken link leaves it to the router (repair.py)
         if index:
             request.previous_address = self.chain.stages[index - 1].address
         if index < len(self.chain.stages) - 1:
@@ -73,7 +74,7 @@ class ForwardingSession(ChainSession):
                         faults.setdefault(index, item)
         except TimeoutError:
             if timeout is not None and timeout <= limit:
-                raise _deadline_exceeded() from None
+                raise deadline_exceeded() from None
             raise stage_error(grpc.StatusCode.UNAVAILABLE, self.chain.stages[min(waiting)],
                                f"no answer to OpenSession in {limit:.1f}s: hung or unreachable") from None
         finally:
@@ -110,12 +111,13 @@ class ForwardingSession(ChainSession):
                 while True:
                     index, item = await self._inbox.get()
                     if isinstance(item, BaseException):
+                        self.failed_stage = index
                         raise item
                     if index == last and item is not None:
                         return item
         except TimeoutError:
             if timeout is not None and timeout <= limit:
-                raise _deadline_exceeded() from None
+                raise deadline_exceeded() from None
             metrics.STEP_TIMEOUTS.inc()
             labels = ", ".join(s.address for s in self.chain.stages)
             raise grpc.aio.AioRpcError(
@@ -124,7 +126,7 @@ class ForwardingSession(ChainSession):
                         "a stage on the way is hung, or a link is cut") from None
 
 
-def _deadline_exceeded() -> grpc.aio.AioRpcError:
+def deadline_exceeded() -> grpc.aio.AioRpcError:
     """The request's own deadline passed (as a call with that deadline would have ended)."""
     return grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(), grpc.aio.Metadata(),
                                 details="Deadline Exceeded")

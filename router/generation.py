@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from router.chain_client import ChainSession, Progress, Sampling
+from router.chain_client import Progress, Sampling
 from router.chains import ChainSet, NoUsableChain
 from router.detokenizer import IncrementalText
 from router.forwarding import session_class
@@ -83,8 +83,7 @@ class GenerationConfig:
     repair: bool = True
     """When a stage fails mid-stream and another chain has a stage serving the same layers, that stage takes its
     place and only it is rebuilt, from the previous stage's log of what it sent on (router/repair.py); the
-    stages keep such logs (--output-log-gb) for this. Relay mode only: forwarding sessions ask for no logs and are
-    replayed."""
+    stages keep such logs (--output-log-gb) for this; a session whose log was dropped is replayed."""
     wire_dtype: str = field(default="", metadata={"choices": ("", *WIRE_DTYPES)})
     """Hidden states between stages: "" (each stage's own dtype), float32, bfloat16, float16 or int8."""
     step_timeout_s: float = 10.0
@@ -138,9 +137,8 @@ async def generate(
         chunk = chain.prefill_chunk(config.prefill_chunk)
         try:
             session_type = session_class(config.forwarding, len(chain.stages))
-            logged = config.repair and session_type is ChainSession  # forwarding sessions are replayed: no logs
             async with session_type(chain, max_length, req.request_id, req.deadline, config.wire_dtype,
-                                    progress, sampling, keep_output=logged) as session:
+                                    progress, sampling, keep_output=config.repair) as session:
                 # Everything the chain has not seen yet: the prompt at first (after a failover the
                 # prompt plus all tokens so far), then one token per decode step.
                 feed = req.prompt_ids + generated

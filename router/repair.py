@@ -4,20 +4,28 @@ stage's output log (Stage/ReadOutput; token ids for a first stage, which the rou
 as prefill chunks. The stages after it keep their KV caches; they only take the positions they had not
 seen yet. Replaying the whole prefix on another chain (generation.py's failover) rebuilds every stage.
 
-Relay mode only: a forwarding session (router/forwarding.py) falls back to replay, and so does a session
-whose stages' positions are not known (a failure while a chunked prefill was in flight at several
-stages), one whose previous stage kept no log (--output-log-gb), and one with no stage to take the place."""
+A forwarding session (router/forwarding.py, opened repairable: a broken link leaves its stages' sessions
+open) is repaired the same way (forwarding_repair): the new stage is opened answering on its own stream,
+rebuilt, then every stage is rewound to the position before the failed step and the previous one re-pointed
+at it (SessionBatch.reroute), and the failed step is sent again from the router.
+
+Replayed instead: a relay session whose stages' positions are not known (a failure while a chunked prefill
+was in flight at several stages), a session whose previous stage kept no log (--output-log-gb), a failure
+that names no stage (a hung chain's timeout), and one with no stage to take the place."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
+import secrets
 
 import grpc
 
 from router.chain_client import ChainSession, StageEndpoint, StepResult, _background
 from router.chains import ChainSet
-from router.forwarding import ForwardingSession
+from router.forwarding import ForwardingSession, deadline_exceeded
+from router.session_mux import REROUTED, mux_of
 from stagemesh import metrics, tensor_codec
 from stagemesh.v1 import stage_pb2, tensor_pb2
 
@@ -112,12 +120,72 @@ async def _inputs(session: ChainSession, index: int, history: list[int], start: 
         yield piece.start, piece.start + rows, piece.hidden
 
 
+async def forwarding_repair(session: ForwardingSession, stage: StageEndpoint, history: list[int], chunk: int,
+                            return_logits: bool = False) -> StepResult:
+    """repair() for a forwarding session: `stage` opened in place of the failed one, answering on its own
+    stream while it is rebuilt (positions 0..position-1 of the stage before it, or token ids); then, in chain
+    order, each stage rewound to the position before the failed step (what it took of that step is dropped) and
+    the new stage and the one before it pointed at their next; then the failed step goes again from the router."""
+    index, n, position = session.failed_stage, len(session.chain.stages), session.position
+    sid = session.session_id
+    session._muxes[index].close(sid)  # a hung stage may still hold it
+    stages = list(session.chain.stages)
+    stages[index] = stage
+    session.chain = dataclasses.replace(session.chain, stages=stages, chain_id=f"{session.chain.chain_id}~repaired")
+    if index:
+        session.hop_keys[index] = secrets.token_hex(16)
+    mux = session._muxes[index] = mux_of(stage)
+    opening = session._open_request(index)
+    opening.ClearField("next_address")  # rebuilt on its own: nothing goes on to the next stage yet
+    opening.ClearField("next_key")
+    mux.open(opening, session._inbox, index)
+    await _answer(session, index, None, 1)
+    async for start, _end, tensor in _inputs(session, index, history, 0, position, chunk):
+        request = stage_pb2.ForwardRequest(session_id=sid, start=start, skip_sample=True)
+        (request.token_ids if index == 0 else request.hidden).CopyFrom(tensor)
+        mux.send(request)
+    for j, target in enumerate(session._muxes):
+        if j + 1 == index:
+            target.reroute(sid, position, stage.address, session.hop_keys[index])
+        elif j == index and j + 1 < n:
+            target.reroute(sid, position, stages[j + 1].address, session.hop_keys[j + 1])
+        else:
+            target.reroute(sid, position)
+        await _answer(session, j, REROUTED, position if j == index else 1)
+    while not session._inbox.empty():  # what the failed step left (a token that came after the fault)
+        session._inbox.get_nowait()
+    return await session.step(history[position:], sampling=session.sampling, chunk_size=chunk,
+                              return_logits=return_logits)
+
+
+async def _answer(session: ForwardingSession, index: int, wanted: object, tokens: int) -> None:
+    """Waits for stage index's `wanted` (None: opened) in the session's inbox; a fault there is raised, what the
+    failed step left is passed over."""
+    limit, timeout = session.progress.timeout(session.chain, max(1, tokens)), session._timeout()
+    try:
+        async with asyncio.timeout(limit if timeout is None else min(limit, timeout)):
+            while True:
+                at, item = await session._inbox.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if at == index and item is wanted:
+                    return
+    except TimeoutError:
+        if timeout is not None and timeout <= limit:
+            raise deadline_exceeded() from None
+        raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                   details=f"stage {session.chain.stages[index].address}: no answer while "
+                                           "repairing the chain; replaying") from None
+
+
 def possible(session: ChainSession, exc: grpc.aio.AioRpcError) -> str:
     """Why the session cannot be repaired after exc ("" when it can)."""
-    if isinstance(session, ForwardingSession):
-        return "forwarding sessions are replayed"
     if exc.code() not in REPAIRABLE:
         return f"a {exc.code().name} is not the stage's own fault"
+    if isinstance(session, ForwardingSession):
+        if session.failed_stage is None:
+            return "the fault names no stage"
+        return "" if session.keep_output else "the stages keep no output logs"
     index, reached = session.failed_stage, session.reached
     if index is None or reached is None or len(session.chain.stages) < 2:
         return "where each stage stands is not known"
@@ -154,4 +222,6 @@ class Repairs:
                     f"of {'token ids' if session.failed_stage == 0 else 'the previous stage output log'}",
                     extra=self.log_extra)
         metrics.REPAIRS.inc()
+        if isinstance(session, ForwardingSession):
+            return await forwarding_repair(session, stage, history, chunk)
         return await repair(session, stage, history, chunk)

@@ -28,7 +28,9 @@ CLOSE_WAIT_S = 0.05
 nothing, and a stream that only opens and closes sessions (every stage but the first) halves its writes."""
 
 Inbox = asyncio.Queue
-"""A session's: (stage index, None: opened | ForwardResponse | grpc.aio.AioRpcError: its fault there)."""
+"""A session's: (stage index, None: opened | ForwardResponse | REROUTED | grpc.aio.AioRpcError: its fault there)."""
+REROUTED = "rerouted"
+"""In an inbox: the stage rerouted the session (router/repair.py forwarding_repair)."""
 
 
 class StageMux:
@@ -71,6 +73,15 @@ class StageMux:
         ids.shape.append(len(token_ids))
         return request
 
+    def send(self, request: stage_pb2.ForwardRequest) -> None:
+        """Queues a step built by the caller (a repair's rebuild: hidden states)."""
+        self._room(request.ByteSize()).steps.append(request)
+
+    def reroute(self, session_id: str, position: int, next_address: str = "", next_key: str = "") -> None:
+        """Rewinds the session here to position and re-points it (answered REROUTED in its inbox)."""
+        self._room(len(next_address) + 96).reroute.add(session_id=session_id, position=position,
+                                                       next_address=next_address, next_key=next_key)
+
     def close(self, session_id: str) -> None:
         """Closes a session here (nothing more reaches its inbox). The stage closes it anyway if the stream
         ends first."""
@@ -108,6 +119,9 @@ class StageMux:
                 for sid in events.opened:
                     if (entry := self.inboxes.get(sid)) is not None:
                         entry[0].put_nowait((entry[1], None))
+                for sid in events.rerouted:
+                    if (entry := self.inboxes.get(sid)) is not None:
+                        entry[0].put_nowait((entry[1], REROUTED))
                 for response in events.results:
                     if (entry := self.inboxes.get(response.session_id)) is not None:
                         entry[0].put_nowait((entry[1], response))

@@ -38,6 +38,8 @@ class Route:
     sampling: Sampling | None = None
     wire_dtype: str = ""
     previous_address: str = ""
+    repairable: bool = False
+    """A broken link does not end the session here: its router repairs the chain (Reroute) or closes it."""
     feed: asyncio.Queue | None = field(default=None, repr=False)
     """The router's stream: results (ForwardResponse) and the session's fault (an exception) go here."""
     held: list = field(default_factory=list, repr=False)

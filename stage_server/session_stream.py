@@ -28,6 +28,8 @@ StageService = Any
 
 OPENED = object()
 """Queued for a session opened on the stream: answered in SessionEvents.opened."""
+REROUTED = object()
+"""Queued for a session rerouted (SessionBatch.reroute): answered in SessionEvents.rerouted."""
 _END = object()
 _streams: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 """StageService -> its SessionStreams now serving."""
@@ -132,6 +134,8 @@ class SessionStream:
     def _add(self, events: stage_pb2.SessionEvents, session_id: str, item: object) -> None:
         if item is OPENED:
             events.opened.append(session_id)
+        elif item is REROUTED:
+            events.rerouted.append(session_id)
         elif isinstance(item, BaseException):
             code, details = status_of(item, self.codes, self.service.address)
             events.faults.add(session_id=session_id, code=code.value[0], details=details)
@@ -145,6 +149,8 @@ class SessionStream:
                     await self._open(request)
                 for request in batch.steps:
                     self._step(request)
+                for request in batch.reroute:
+                    self._reroute(request)
                 for sid in batch.close:
                     session = self.service.sessions.sessions.get(sid)
                     if self.feeds.pop(sid, None) is not None and self.service.sessions.close(sid, self.caller):
@@ -193,3 +199,32 @@ class SessionStream:
             service._relayed_step(session, request, inputs, time.perf_counter() - t0))
         self.running.add(task)
         task.add_done_callback(self.running.discard)
+
+    def _reroute(self, request: stage_pb2.Reroute) -> None:
+        """Repair: the session rewound to request.position and re-pointed, after the steps sent before it."""
+        try:
+            session = self.service.sessions.get(request.session_id, self.caller)  # only the opener's
+        except UnknownSession as exc:
+            self.events.put_nowait((request.session_id, exc))
+            return
+        task = asyncio.get_running_loop().create_task(self._rerouted(session, request))
+        self.running.add(task)
+        task.add_done_callback(self.running.discard)
+
+    async def _rerouted(self, session, request: stage_pb2.Reroute) -> None:
+        route, cache = session.route, session.cache
+        async with route.order:  # after the steps queued before it (a lock's waiters go first come, first served)
+            if session.closed:
+                return
+            if not 0 <= request.position <= cache.length:
+                self.service._fail(session.session_id, StatusError(
+                    grpc.StatusCode.FAILED_PRECONDITION, f"cannot rewind to position {request.position}: the "
+                    f"session holds positions 0..{cache.length - 1}"))
+                return
+            cache.length = request.position  # attention reads positions < length only: the rest is overwritten
+            cache.pool.trim(cache)
+            if session.output is not None and not session.output.lost:
+                session.output.length = min(session.output.length, request.position)
+            if request.next_address:
+                route.next_address, route.next_key = request.next_address, request.next_key
+        self.events.put_nowait((session.session_id, REROUTED))

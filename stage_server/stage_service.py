@@ -105,7 +105,7 @@ class StageService(stage_pb2_grpc.StageServicer):
         if request.next_address and self.model.is_last:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "the last stage has no next stage to forward to")
         route = Route(request.next_address, request.next_key, request.upstream_key, sampling, request.wire_dtype,
-                      request.previous_address)
+                      request.previous_address, request.repairable)
         self.sessions.open(request.session_id, request.max_length, request_id, caller_of(context), route,
                            keep_output=request.keep_output and not self.model.is_last)
         log.info("session opened", extra=self._extra(request.session_id, request_id))
@@ -258,7 +258,7 @@ class StageService(stage_pb2_grpc.StageServicer):
                 previous = session.route.previous_address if session is not None else ""
                 self._fail(sid, StatusError(grpc.StatusCode.UNAVAILABLE,
                                             f"the link from the previous stage {previous} ended (it stopped, or the "
-                                            "link broke)"))
+                                            "link broke)"), link=True)
 
     async def _relayed_step(self, session: Session, request: stage_pb2.ForwardRequest, inputs: torch.Tensor,
                             decode_s: float) -> None:
@@ -281,10 +281,11 @@ class StageService(stage_pb2_grpc.StageServicer):
         except Exception as exc:
             self._fail(session.session_id, exc)
 
-    def _fail(self, session_id: str, exc: BaseException) -> None:
-        """Ends a session here for its fault: its router hears it on the stream that follows it."""
+    def _fail(self, session_id: str, exc: BaseException, link: bool = False) -> None:
+        """Ends a session here for its fault: its router hears it on the stream that follows it. A repairable
+        session outlives a broken link (link): its router hears the dead stage itself, and repairs or closes it."""
         session = self.sessions.sessions.get(session_id)
-        if session is None:
+        if session is None or (link and session.route.repairable):
             return
         session.route.deliver(exc)
         self.sessions.close(session_id)
@@ -292,7 +293,7 @@ class StageService(stage_pb2_grpc.StageServicer):
 
     def _link_broken(self, address: str, carried: set[str], code: grpc.StatusCode, details: str) -> None:
         for sid in carried:
-            self._fail(sid, StatusError(code, f"next stage {address} unreachable: {details}"))
+            self._fail(sid, StatusError(code, f"next stage {address} unreachable: {details}"), link=True)
 
     def _relay_refused(self, address: str, status: stage_pb2.RelayStatus) -> None:
         code = next((c for c in grpc.StatusCode if c.value[0] == status.code), grpc.StatusCode.UNKNOWN)

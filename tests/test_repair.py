@@ -165,9 +165,10 @@ async def test_the_output_log_is_its_openers_and_only_if_asked(twin):
     assert stage.sessions.log_budget.used_bytes == 0
 
 
-async def test_a_forwarding_stream_is_replayed_exact_and_its_stages_keep_no_logs(tiny_model, hf_models, caplog):
-    """Repair is built for relay mode: a forwarding session (the router's default) asks its stages for no output
-    log, and when its middle stage stops mid-stream the router replays it on the other chain, exact."""
+async def test_a_forwarding_stream_is_repaired_exact_and_every_session_closed_after(tiny_model, hf_models, caplog):
+    """A forwarding session (the router's default) asks its non-last stages for output logs; when its middle stage
+    stops mid-stream, the other chain's stage takes its place (router/repair.py forwarding_repair), exact, with
+    no replay; the stages after it keep the session, and every session is closed when the stream ends."""
     caplog.set_level(logging.INFO, logger="stagemesh.router")
     mesh = await start_mesh(tiny_model, [LAYOUT, LAYOUT])
     try:
@@ -177,27 +178,35 @@ async def test_a_forwarding_stream_is_replayed_exact_and_its_stages_keep_no_logs
         while len(got) < 5:
             got.extend((await call.read()).token_ids)
         chain = next(c for c in mesh.stages if c[1].sessions.sessions)
-        assert [s.output for s in chain[0].sessions.sessions.values()] == [None]
-        assert all(s.sessions.log_budget.used_bytes == 0 for c in mesh.stages for s in c)
+        assert [s.output is not None for s in chain[0].sessions.sessions.values()] == [True]
+        last = next(iter(chain[2].sessions.sessions.values())).cache
         await chain[1].stop(0)
         while (response := await call.read()) is not grpc.aio.EOF:
             got.extend(response.token_ids)
         assert got == hf_greedy(hf_models["llama"], ids, NEW_TOKENS)
-        assert "not repairing (forwarding sessions are replayed)" in caplog.text and "replaying" in caplog.text
+        assert "takes its place" in caplog.text and "replaying" not in caplog.text
+        assert last.length == len(ids) + NEW_TOKENS - 1  # the last stage kept its cache to the end
+        live = [s for c in mesh.stages for s in c if s is not chain[1]]
+        for _ in range(200):
+            if not any(len(s.sessions) for s in live):
+                break
+            await asyncio.sleep(0.02)
+        assert [len(s.sessions) for s in live] == [0] * 5
+        assert all(s.sessions.log_budget.used_bytes == 0 for s in live)
     finally:
         await mesh.stop()
 
 
 # The process test: two chains of three stages (real processes behind link proxies), the middle stage of the
-# busier chain SIGKILLed mid-stream. Repair is built for relay mode (forwarding sessions are replayed), so the
-# router runs with --no-forwarding.
+# busier chain SIGKILLed mid-stream, with the router in relay mode and in its default, forwarding.
 
 
-@pytest.fixture(scope="module")
-def pm3(tiny_model, tmp_path_factory):
+@pytest.fixture(scope="module", params=["relay", "forwarding"])
+def pm3(tiny_model, tmp_path_factory, request):
+    mode = ("--no-forwarding",) if request.param == "relay" else ("--forwarding",)
     mesh = FaultMesh(str(tiny_model), tmp_path_factory.mktemp("repair-logs"), chains=2, stages=3, num_layers=8,
                      stage_args=("--kv-cache-gb", "0.02"),
-                     router_args=("--no-forwarding", "--health-interval-s", "0.2", "--step-timeout-s", "5"))
+                     router_args=(*mode, "--health-interval-s", "0.2", "--step-timeout-s", "5"))
     yield mesh
     mesh.stop()
 

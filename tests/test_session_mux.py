@@ -73,7 +73,7 @@ async def test_a_bad_step_or_open_costs_only_its_session(tiny_model, hf_models):
         await until_empty(mesh)
 
 
-async def test_an_outsider_on_its_own_stream_cannot_step_or_close_a_session(tiny_model, hf_models):
+async def test_an_outsider_on_its_own_stream_cannot_step_reroute_or_close_a_session(tiny_model, hf_models):
     ids = prompt(9, seed=62)
     async with one_chain(tiny_model, 2) as (mesh, chain):
         async with ForwardingSession(chain, 64, "owned") as session:
@@ -82,12 +82,14 @@ async def test_an_outsider_on_its_own_stream_cannot_step_or_close_a_session(tiny
             step = stage_pb2.ForwardRequest(session_id=sid, start=len(ids))
             step.token_ids.dtype, step.token_ids.data = "int64", bytes(8)
             step.token_ids.shape.append(1)
-            batches = [stage_pb2.SessionBatch(steps=[step], close=[sid])]
+            reroute = stage_pb2.Reroute(session_id=sid, position=0, next_address="127.0.0.1:9", next_key="x")
+            batches = [stage_pb2.SessionBatch(steps=[step], reroute=[reroute], close=[sid])]
             outsider = other_connection(chain.stages[0].address).Sessions(iter(batches), timeout=10)
             events = [e async for e in outsider]  # answered, then the stream ends as its caller did
             assert [(f.session_id, f.code) for e in events for f in e.faults] == [
-                (sid, grpc.StatusCode.NOT_FOUND.value[0])]
-            for _ in range(5):  # the owner's session was neither stepped nor closed
+                (sid, grpc.StatusCode.NOT_FOUND.value[0])] * 2
+            assert not any(e.rerouted for e in events)
+            for _ in range(5):  # the owner's session was neither stepped, rewound, re-pointed nor closed
                 tokens.append((await session.step(tokens[-1:], sampling=Sampling())).token_id)
         assert tokens == hf_greedy(hf_models["llama"], ids, 6)
         await until_empty(mesh)

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("session_id", "max_length", "request_id", "next_address", "next_key", "upstream_key", "sampling", "wire_dtype", "previous_address", "keep_output", "trace_context")
+    __slots__ = ("session_id", "max_length", "request_id", "next_address", "next_key", "upstream_key", "sampling", "wire_dtype", "previous_address", "keep_output", "trace_context", "repairable")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,7 @@ class OpenSessionRequest(_message.Message):
     PREVIOUS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     KEEP_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    REPAIRABLE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     max_length: int
     request_id: str
@@ -38,7 +39,8 @@ class OpenSessionRequest(_message.Message):
     previous_address: str
     keep_output: bool
     trace_context: _containers.ScalarMap[str, str]
-    def __init__(self, session_id: _Optional[str] = ..., max_length: _Optional[int] = ..., request_id: _Optional[str] = ..., next_address: _Optional[str] = ..., next_key: _Optional[str] = ..., upstream_key: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., wire_dtype: _Optional[str] = ..., previous_address: _Optional[str] = ..., keep_output: _Optional[bool] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    repairable: bool
+    def __init__(self, session_id: _Optional[str] = ..., max_length: _Optional[int] = ..., request_id: _Optional[str] = ..., next_address: _Optional[str] = ..., next_key: _Optional[str] = ..., upstream_key: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., wire_dtype: _Optional[str] = ..., previous_address: _Optional[str] = ..., keep_output: _Optional[bool] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., repairable: _Optional[bool] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
     __slots__ = ("session_id",)
@@ -135,24 +137,40 @@ class OutputChunk(_message.Message):
     def __init__(self, start: _Optional[int] = ..., hidden: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class SessionBatch(_message.Message):
-    __slots__ = ("opens", "steps", "close")
+    __slots__ = ("opens", "steps", "close", "reroute")
     OPENS_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     CLOSE_FIELD_NUMBER: _ClassVar[int]
+    REROUTE_FIELD_NUMBER: _ClassVar[int]
     opens: _containers.RepeatedCompositeFieldContainer[OpenSessionRequest]
     steps: _containers.RepeatedCompositeFieldContainer[ForwardRequest]
     close: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, opens: _Optional[_Iterable[_Union[OpenSessionRequest, _Mapping]]] = ..., steps: _Optional[_Iterable[_Union[ForwardRequest, _Mapping]]] = ..., close: _Optional[_Iterable[str]] = ...) -> None: ...
+    reroute: _containers.RepeatedCompositeFieldContainer[Reroute]
+    def __init__(self, opens: _Optional[_Iterable[_Union[OpenSessionRequest, _Mapping]]] = ..., steps: _Optional[_Iterable[_Union[ForwardRequest, _Mapping]]] = ..., close: _Optional[_Iterable[str]] = ..., reroute: _Optional[_Iterable[_Union[Reroute, _Mapping]]] = ...) -> None: ...
+
+class Reroute(_message.Message):
+    __slots__ = ("session_id", "position", "next_address", "next_key")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    NEXT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_KEY_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    position: int
+    next_address: str
+    next_key: str
+    def __init__(self, session_id: _Optional[str] = ..., position: _Optional[int] = ..., next_address: _Optional[str] = ..., next_key: _Optional[str] = ...) -> None: ...
 
 class SessionEvents(_message.Message):
-    __slots__ = ("opened", "results", "faults")
+    __slots__ = ("opened", "results", "faults", "rerouted")
     OPENED_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     FAULTS_FIELD_NUMBER: _ClassVar[int]
+    REROUTED_FIELD_NUMBER: _ClassVar[int]
     opened: _containers.RepeatedScalarFieldContainer[str]
     results: _containers.RepeatedCompositeFieldContainer[ForwardResponse]
     faults: _containers.RepeatedCompositeFieldContainer[RelayStatus]
-    def __init__(self, opened: _Optional[_Iterable[str]] = ..., results: _Optional[_Iterable[_Union[ForwardResponse, _Mapping]]] = ..., faults: _Optional[_Iterable[_Union[RelayStatus, _Mapping]]] = ...) -> None: ...
+    rerouted: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, opened: _Optional[_Iterable[str]] = ..., results: _Optional[_Iterable[_Union[ForwardResponse, _Mapping]]] = ..., faults: _Optional[_Iterable[_Union[RelayStatus, _Mapping]]] = ..., rerouted: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()

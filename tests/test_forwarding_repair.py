@@ -1,0 +1,94 @@
+"""Repair of a forwarding chain (the router's default data path): when one stage dies mid-stream, another chain's
+stage of the same layers takes its place, rebuilt from the previous stage's output log (token ids for a first
+stage) while answering on its own stream; every stage is rewound to the position before the failed step, the
+one before the new stage re-pointed at it, and the step sent again. Tokens equal transformers', logits within
+1e-4, the stages after the new one keep their KV caches, and every session is closed after."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+import pytest
+import torch
+
+from router import repair
+from router.chain_client import Chain, Sampling, StageEndpoint
+from router.forwarding import ForwardingSession
+from stagemesh.v1 import router_pb2
+from tests.conftest import hf_greedy, splits, start_mesh
+from tests.test_exactness import prompt
+
+LAYOUT = splits(2, 3, 3)
+
+
+def endpoints(servers) -> list[StageEndpoint]:
+    return [StageEndpoint(s.address, a, b) for s, (a, b) in zip(servers, LAYOUT, strict=True)]
+
+
+@pytest.mark.parametrize("dead", [0, 1, 2])
+@pytest.mark.parametrize("failed_at", ["prefill", "decode"])
+async def test_a_repaired_forwarding_chain_continues_exact(tiny_model, hf_models, dead, failed_at):
+    mesh = await start_mesh(tiny_model, [LAYOUT, LAYOUT], router=False)
+    chain, spares = Chain(endpoints(mesh.stages[0])), endpoints(mesh.stages[1])
+    try:
+        ids = prompt(40, seed=80 + dead)
+        tokens, got = list(ids), []
+        async with ForwardingSession(chain, max_length=128, request_id="frepair-test", keep_output=True) as session:
+            feed = ids
+            for k in range(12):
+                if k == (0 if failed_at == "prefill" else 5):
+                    after = [mesh.stages[0][j].sessions.sessions[session.session_id].cache for j in range(dead + 1, 3)]
+                    await mesh.stages[0][dead].stop(0)
+                    with pytest.raises(grpc.aio.AioRpcError) as failed:  # chunks in flight at several stages
+                        await session.step(feed, sampling=Sampling(), chunk_size=16, return_logits=True)
+                    assert failed.value.code() in repair.REPAIRABLE and session.failed_stage == dead
+                    assert repair.possible(session, failed.value) == ""
+                    result = await repair.forwarding_repair(session, spares[dead], tokens, 16, return_logits=True)
+                    assert session.session_id in mesh.stages[1][dead].sessions.sessions  # the spare holds it
+                    for j, cache in zip(range(dead + 1, 3), after, strict=True):  # the same cache, grown
+                        assert mesh.stages[0][j].sessions.sessions[session.session_id].cache is cache
+                        assert cache.length == len(tokens)
+                else:
+                    result = await session.step(feed, sampling=Sampling(), chunk_size=16, return_logits=True)
+                got.append(result.logits)
+                tokens.append(result.token_id)
+                feed = [result.token_id]
+        with torch.inference_mode():
+            ref = hf_models["llama"](torch.tensor([tokens])).logits[0]
+        for k, logits in enumerate(got):
+            torch.testing.assert_close(logits, ref[len(ids) - 1 + k], atol=1e-4, rtol=0)
+        assert tokens[len(ids):] == hf_greedy(hf_models["llama"], ids, 12)
+        live = [s for c in mesh.stages for s in c if s is not mesh.stages[0][dead]]
+        for _ in range(200):  # the closes ride the streams' next messages
+            if not any(len(s.sessions) for s in live):
+                break
+            await asyncio.sleep(0.02)
+        assert [len(s.sessions) for s in live] == [0] * 5
+        assert all(s.sessions.log_budget.used_bytes == 0 for s in live)
+    finally:
+        for stage in [*chain.stages, *spares]:
+            await stage.close()
+        await mesh.stop()
+
+
+async def test_a_stage_whose_log_was_dropped_is_replayed_exact(tiny_model, hf_models, caplog):
+    """Stages with no room for output logs (--output-log-gb 0): the forwarding stream whose middle stage stops is
+    replayed on the other chain, exact, as before repair."""
+    caplog.set_level(logging.INFO, logger="stagemesh.router")
+    mesh = await start_mesh(tiny_model, [LAYOUT, LAYOUT], stage_options={"output_log_gb": 0.0})
+    try:
+        ids = prompt(30, seed=91)
+        call = mesh.router_stub.Generate(router_pb2.GenerateRequest(token_ids=ids, max_new_tokens=20))
+        got = []
+        while len(got) < 5:
+            got.extend((await call.read()).token_ids)
+        chain = next(c for c in mesh.stages if c[1].sessions.sessions)
+        await chain[1].stop(0)
+        while (response := await call.read()) is not grpc.aio.EOF:
+            got.extend(response.token_ids)
+        assert got == hf_greedy(hf_models["llama"], ids, 20)
+        assert "FAILED_PRECONDITION" in caplog.text and "replaying" in caplog.text
+    finally:
+        await mesh.stop()
