@@ -54,6 +54,7 @@ MEDIUM_DIR = ROOT / "models" / "llama-270m"
 FIRST_ORDINARY_ID = 4  # ids 0..3 are <s>, </s>, <pad>, <unk> in the models make_tiny_model.py writes
 SEED = 1234
 STREAM_TIMEOUT_S = 1800.0  # a guard against a stuck mesh, far above any run
+READY_TIMEOUT_S = 900.0  # a stage compiling its slice with inductor's cache cold takes minutes to be ready
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -489,7 +490,8 @@ def run_mesh(model: str, stages: int, replicas: int, args: argparse.Namespace, p
     log_dir.mkdir(parents=True, exist_ok=True)
     mesh, router = start_local_mesh(model, stages=stages, replicas=replicas, router_port=0, dtype=args.dtype,
                                     threads=args.stage_threads, prefill_chunk=args.prefill_chunk,
-                                    extra_stage_args=stage_args, extra_router_args=args.router_arg, log_dir=log_dir)
+                                    extra_stage_args=stage_args, extra_router_args=args.router_arg, log_dir=log_dir,
+                                    ready_timeout_s=READY_TIMEOUT_S)
     try:
         print(f"  {result.system}: up in {time.perf_counter() - started:.0f}s", flush=True)
         if replicas == 1:  # one stream uses one chain: a replica changes nothing there

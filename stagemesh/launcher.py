@@ -132,11 +132,12 @@ def start_local_mesh(model: str, *, stages: int, replicas: int = 1, router_port:
                      prefill_chunk: int = GenerationConfig.prefill_chunk,
                      extra_stage_args: list[str] | None = None, extra_router_args: list[str] | None = None,
                      registry: str | None = None, tls: str | None = None,
-                     log_dir: Path | None = None) -> tuple[LocalMesh, Process]:
+                     log_dir: Path | None = None, ready_timeout_s: float = 120.0) -> tuple[LocalMesh, Process]:
     """Without registry: stages with fixed, even layer ranges and a router over them. With registry
     ("local", or a consul:// or etcd:// URL): a scheduler places layers on stages that announce a memory budget
     for `stages` stages per chain, and the router follows the chains it publishes. tls: every process's
-    --tls directory."""
+    --tls directory. ready_timeout_s: how long each process may take to be ready (loading its weights, and
+    with --compile compiling in its warm-up: minutes on a large slice with inductor's cache cold)."""
     from transformers import AutoConfig
 
     num_layers = AutoConfig.from_pretrained(model, local_files_only=True).num_hidden_layers
@@ -170,12 +171,13 @@ def start_local_mesh(model: str, *, stages: int, replicas: int = 1, router_port:
             *_, router = _start_together(mesh, [
                 *((f"stage-{i}", [*stage_args, "--registry", url, "--memory-gb", budget])
                   for i in range(stages * replicas)),
-                ("router", [*router_args, "--registry", url])], env)
+                ("router", [*router_args, "--registry", url])], env, ready_timeout_s)
             mesh.registry_url = url
         else:
             ranges = even_split(num_layers, stages)
             started = _start_together(mesh, [(f"stage-r{r}-s{i}", [*stage_args, "--layers", f"{a}:{b}"])
-                                             for r in range(replicas) for i, (a, b) in enumerate(ranges)], env)
+                                             for r in range(replicas) for i, (a, b) in enumerate(ranges)],
+                                      env, ready_timeout_s)
             for r in range(replicas):
                 router_args += ["--chain", ",".join(p.address for p in started[r * stages:(r + 1) * stages])]
             router = mesh.spawn("router", router_args, env)
