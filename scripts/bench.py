@@ -356,7 +356,7 @@ def run_worker(name: str, spec: dict, threads: int, tmp: Path) -> dict:
     from stagemesh.launcher import stage_env
 
     spec_path.write_text(json.dumps(spec))
-    env = stage_env(threads)  # the stages' settings (OMP_WAIT_POLICY=PASSIVE, OMP_NUM_THREADS) for a fair race
+    env = stage_env(threads, shared_cores=False)  # alone on the cores, as a mesh's stages are when they fit
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", name, "--spec", str(spec_path),
            "--result", str(result_path)]
     proc = subprocess.Popen(cmd, env=env)

@@ -17,8 +17,8 @@
    encode; what the token costs beyond both stages' phases is gRPC, event loops, the router and the hops.
 4. ~270M Llama: one- and two-thread memory-bandwidth ceilings (a float32 GEMV over a matrix the size of the
    weights: the time to stream the weights once), a 2-stage chain of 1-thread stages as a share of the
-   one-thread ceiling, one stage with 2 threads as a share of the two-thread ceiling; with --medium-compile the
-   2-stage chain again with --compile (its first compilation, with inductor's cache cold, takes minutes: the
+   one-thread ceiling, one stage with 2 threads as a share of the two-thread ceiling; with --medium-compile both
+   again with --compile (its first compilation, with inductor's cache cold, takes minutes: the
    mesh waits up to bench.READY_TIMEOUT_S for it).
 
 Writes DIR/floor.json. Speed is only measured here, never asserted.
@@ -247,7 +247,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="the wire and the tiny chain only, few tokens, no --compile")
     p.add_argument("--no-medium", action="store_true", help="skip the ~270M model")
     p.add_argument("--no-compile", action="store_true", help="skip the tiny chain with --compile")
-    p.add_argument("--medium-compile", action="store_true", help="the ~270M 2-stage chain with --compile too")
+    p.add_argument("--medium-compile", action="store_true", help="the ~270M layouts with --compile too")
     p.add_argument("--repeats", type=int, default=5, help="decode runs per system (medians)")
     p.add_argument("--tokens", type=int, default=128, help="tokens per decode run (tiny model; ~270M: a quarter)")
     p.add_argument("--out", type=Path, default=Path("bench-out"))
@@ -293,7 +293,8 @@ def main(argv: list[str] | None = None) -> None:
             # Measured before and after the chains, the faster kept: a busy machine only lowers a ceiling.
             first = {n: disturbed(notes, f"ceiling {n}", ceiling, medium, n, 9, Path(tmp)) for n in (1, 2)}
             mhf = disturbed(notes, "~270M transformers", run_transformers, medium, 1, mplan, mw, Path(tmp))
-            layouts = [(2, 1, []), (1, 2, [])] + ([(2, 1, ["--compile"])] if args.medium_compile else [])
+            layouts = [(2, 1, []), (1, 2, [])] + ([(2, 1, ["--compile"]), (1, 2, ["--compile"])]
+                                                  if args.medium_compile else [])
             mchains = [disturbed(notes, f"~270M {n}x{t} {' '.join(extra)}".strip(), run_chain, medium, n, t, mplan, mw,
                                  args.out / "logs" / f"floor-medium-{n}x{t}{'-compile' if extra else ''}", extra)
                        for n, t, extra in layouts]

@@ -91,13 +91,17 @@ class BatcherConfig:
 
 
 class StepBatcher:
-    def __init__(self, model: StageModel, config: BatcherConfig):
+    def __init__(self, model: StageModel, config: BatcherConfig, executor: ThreadPoolExecutor):
+        """executor: the stage's one compute thread (StageServer.compute)."""
         self.model = model
         self.device = model.device
         self.config = config
         self.queue: deque[StepRequest] = deque()
         self.wakeup = asyncio.Event()
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="stage-compute")
+        self.executor = executor
+        # A lone short pass may run inline on the event loop, unless torch work there would start a second
+        # OpenMP thread team beside the compute thread's (StageServer.compute says what that costs).
+        self.may_inline = model.device.type != "cpu" or torch.get_num_threads() == 1
         self.recent_decode_ms: deque[float] = deque(maxlen=64)
         self.batches_run = 0
         self.timing = StepTiming()  # where step time goes (stage_service times the wire side)
@@ -119,7 +123,6 @@ class StepBatcher:
                 req.future.set_exception(BatcherStopped("the stage stopped serving this slice mid-step"))
         self.queue.clear()
         self.running = []
-        self.executor.shutdown(wait=False, cancel_futures=True)
 
     async def submit(self, req: StepRequest) -> StepResult:
         if self.stopped:
@@ -204,7 +207,7 @@ class StepBatcher:
 
     def _inline(self, batch: list[StepRequest]) -> bool:
         """A lone decode step of a stage whose decode passes are known to be short."""
-        return (len(batch) == 1 and batch[0].length == 1 and bool(self.recent_decode_ms)
+        return (self.may_inline and len(batch) == 1 and batch[0].length == 1 and bool(self.recent_decode_ms)
                 and self.recent_decode_ms[-1] < self.config.inline_max_ms)
 
     def _run_isolated(self, batch: list[StepRequest]) -> list[StepResult | Exception]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 
@@ -23,7 +22,7 @@ async def serve(config: StageConfig) -> None:
     server = StageServer(config)
     model = None
     if config.layer_start is not None:
-        model = await asyncio.to_thread(server.load, config.layer_start, config.layer_end)
+        model = await server.in_compute(server.load, config.layer_start, config.layer_end)
     await server.start(model)
     registration = None
     if config.registry:

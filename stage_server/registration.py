@@ -146,7 +146,7 @@ class Registration:
             return
         a, b = parse_layers(want, self.server.num_layers)
         log.info(f"assigned layers {a}:{b}: loading", extra={"stage": self.server.address})
-        model = await asyncio.to_thread(self.server.load, a, b)
+        model = await self.server.in_compute(self.server.load, a, b)
         await self.server.activate(model)
         with contextlib.suppress(RegistryError):
             await self._register()  # tells the scheduler the range is loaded and serving

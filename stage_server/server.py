@@ -6,6 +6,9 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 import grpc
 import psutil
@@ -32,6 +35,8 @@ from stagemesh.checkpoint import (
 )
 from stagemesh.errors import StatusError, StatusInterceptor
 from stagemesh.v1 import stage_pb2, stage_pb2_grpc
+
+T = TypeVar("T")
 
 log = logging.getLogger("stagemesh.stage")
 SERVICE_NAME = stage_pb2.DESCRIPTOR.services_by_name["Stage"].full_name
@@ -167,6 +172,11 @@ class StageServer:
         self.batcher: StepBatcher | None = None
         self.stalled = False
         self._tasks: list[asyncio.Task] = []
+        # Every load, warm-up and pass of this stage runs on this one thread. OpenMP keeps a thread team per
+        # thread that runs parallel work, and libgomp stops spinning between parallel regions once its threads
+        # outnumber the cores: in one process on 2 cores, a second team made a 2-thread pass over the ~270M
+        # model's matrices 35 -> 47 ms (README, "Threads").
+        self.compute = ThreadPoolExecutor(1, thread_name_prefix="stage-compute")
 
     @property
     def bind_address(self) -> str:
@@ -176,8 +186,12 @@ class StageServer:
     def layers(self) -> tuple[int, int] | None:
         return (self.model.layer_start, self.model.layer_end) if self.model else None
 
+    async def in_compute(self, fn: Callable[..., T], *args) -> T:
+        """fn(*args) on the stage's compute thread (see self.compute)."""
+        return await asyncio.get_running_loop().run_in_executor(self.compute, fn, *args)
+
     def load(self, layer_start: int, layer_end: int | None) -> StageModel:
-        """Reads the slice's weights (blocking: call it off the event loop when serving)."""
+        """Reads the slice's weights (blocking: when serving, call it through in_compute)."""
         if self.config.threads:
             torch.set_num_threads(self.config.threads)
         t0 = time.perf_counter()
@@ -215,14 +229,14 @@ class StageServer:
         kv_bytes = int(config.kv_cache_gb * 2**30) if config.kv_cache_gb else default_kv_bytes(model.device)
         self.pool = KVPool(kv_bytes, len(model.layers), args.num_kv_heads, args.head_dim, model.dtype, model.device,
                            config.kv_block_size, config.kv_lookahead_blocks)
-        warm_s = await asyncio.to_thread(warm_up, model, self.pool)
+        warm_s = await self.in_compute(warm_up, model, self.pool)
         compiled = (f" with torch.compile ({compiled_graphs(model)} decode graphs)" if is_compiled(model)
                     else " (eager: compilation failed)") if config.compile else ""
         model.load_s += warm_s  # the cold start: load, then warm-up (and compilation) before serving
         log.info(f"warm-up in {warm_s * 1000:.0f} ms{compiled}; cold start {model.load_s:.2f}s before serving",
                  extra={"stage": self.address})
         self.sessions = SessionTable(self.pool, args.max_position, LogBudget(int(config.output_log_gb * 2**30)))
-        self.batcher = StepBatcher(model, config.batcher)
+        self.batcher = StepBatcher(model, config.batcher, self.compute)
         self.batcher.start()
         self.model = model
         self.slot.current = StageService(model, self.sessions, self.batcher, config.model_name, self.fingerprint,
@@ -275,6 +289,7 @@ class StageServer:
             await self.slot.current.close()
         await self.server.stop(0)
         await self.deactivate()
+        self.compute.shutdown(wait=False, cancel_futures=True)
 
     async def _drain(self, timeout: float) -> None:
         loop = asyncio.get_running_loop()

@@ -110,9 +110,16 @@ def even_split(num_layers: int, stages: int) -> list[tuple[int, int]]:
     return list(zip(bounds, bounds[1:], strict=False))
 
 
-def stage_env(threads: int | None) -> dict[str, str]:
-    """Co-located torch processes must not spin-wait on each other's cores."""
-    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+def stage_env(threads: int | None, shared_cores: bool = True) -> dict[str, str]:
+    """shared_cores: torch processes whose threads outnumber the cores must not spin-wait on each other's cores
+    (OMP_WAIT_POLICY=PASSIVE). One that has its cores to itself keeps OpenMP's default (spin a moment, then
+    sleep): PASSIVE wakes a sleeping thread for every parallel region, and made a 2-thread decode step of the
+    ~270M model 12% slower (bench_pass.py --medium --threads 2: 44.2 ms default, 49.6 ms PASSIVE)."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    if shared_cores:
+        env["OMP_WAIT_POLICY"] = "PASSIVE"
+    else:
+        env.pop("OMP_WAIT_POLICY", None)
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
     return env
@@ -149,7 +156,7 @@ def start_local_mesh(model: str, *, stages: int, replicas: int = 1, router_port:
         # stages take turns, and OMP_WAIT_POLICY=PASSIVE keeps the waiting one off them.
         cpus = os.cpu_count() or 1
         threads = max(1, cpus // (stages * replicas if dtype == "float32" else replicas))
-    env = stage_env(threads)
+    env = stage_env(threads, shared_cores=threads * stages * replicas > (os.cpu_count() or 1))
     secure = ["--tls", tls] if tls else []
     stage_args = ["stage", "--model", model, "--dtype", dtype, "--threads", str(threads), "--quantize", quantize,
                   *secure, *(extra_stage_args or [])]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -120,7 +121,7 @@ def _table(model) -> SessionTable:
 
 async def test_stopping_the_batcher_fails_the_pass_in_flight_and_later_steps(whole_model, monkeypatch):
     sessions = _table(whole_model)
-    batcher = StepBatcher(whole_model, BatcherConfig())
+    batcher = StepBatcher(whole_model, BatcherConfig(), ThreadPoolExecutor(1))
     release = asyncio.Event()
     loop = asyncio.get_running_loop()
     real_run = batcher._run_isolated
@@ -151,7 +152,7 @@ async def test_stopping_the_batcher_fails_the_pass_in_flight_and_later_steps(who
 def test_a_step_over_the_budget_left_by_decodes_runs_after_a_few_passes(whole_model):
     """Decode steps go first; a prefill chunk that never fits beside them ages until it goes first."""
     sessions = _table(whole_model)
-    batcher = StepBatcher(whole_model, BatcherConfig(max_batch_tokens=16))
+    batcher = StepBatcher(whole_model, BatcherConfig(max_batch_tokens=16), ThreadPoolExecutor(1))
     decoders = [sessions.open(f"d{i}", 64) for i in range(4)]
     prefill = StepRequest(sessions.open("long", 64), 0, torch.arange(4, 20))  # 16 tokens: the whole budget
     batcher.queue.append(prefill)

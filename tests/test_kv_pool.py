@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -168,7 +169,7 @@ async def test_blocks_come_back_after_close_expiry_preemption_and_a_failed_step(
     kv = KVPool(6 * 2 * 8 * 4 * 4 * 32 * 4, 8, a.num_kv_heads, a.head_dim, model.dtype, "cpu", block_size=4,
                 lookahead_blocks=0)  # 5 usable blocks of 4
     sessions = SessionTable(kv, a.max_position)
-    batcher = StepBatcher(model, BatcherConfig())
+    batcher = StepBatcher(model, BatcherConfig(), ThreadPoolExecutor(1))
     batcher.start()
     try:
         closed, expired, old, new = (sessions.open(n, 64) for n in ("closed", "expired", "old", "new"))

@@ -1,0 +1,50 @@
+"""A stage's torch work runs on one thread (StageServer.compute): OpenMP keeps a thread team for each thread
+that runs parallel work, and libgomp stops spinning between parallel regions once its threads outnumber the
+cores, so a second team (the event loop's, or a loader thread's) slowed every pass of a multi-threaded stage."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from router.server import RouterConfig, RouterServer
+from stage_server import server as server_module
+from stage_server.config import StageConfig
+from stage_server.model import StageModel
+from stage_server.server import StageServer
+from tests.conftest import Mesh, collect
+from tests.test_traffic import request
+
+
+async def test_a_two_thread_stage_loads_warms_up_and_runs_every_pass_on_its_compute_thread(tiny_model, monkeypatch):
+    ran_on: dict[str, set[int]] = {"load": set(), "pass": set()}
+    real_load, real_forward = server_module.load_stage, StageModel.forward
+
+    def load_stage(*args, **kwargs):
+        ran_on["load"].add(threading.get_ident())
+        return real_load(*args, **kwargs)
+
+    def forward(self, inputs, steps):  # warm-up passes, prefill and decode steps alike
+        ran_on["pass"].add(threading.get_ident())
+        return real_forward(self, inputs, steps)
+
+    monkeypatch.setattr(server_module, "load_stage", load_stage)
+    monkeypatch.setattr(StageModel, "forward", forward)
+    threads_before = torch.get_num_threads()
+    mesh = Mesh()
+    try:
+        server = StageServer(StageConfig(model=str(tiny_model), layer_start=0, layer_end=8, threads=2,
+                                         kv_cache_gb=0.1))
+        mesh.stages.append([server])
+        await server.start(await server.in_compute(server.load, 0, 8))
+        mesh.router = RouterServer(RouterConfig(model=str(tiny_model), chains=[server.address], port=0))
+        await mesh.router.start()
+        ids, _, _ = await collect(mesh.router_stub.Generate(request([5, 6, 7, 8], 12)))
+        assert len(ids) == 12
+        compute_thread = server.compute.submit(threading.get_ident).result()
+        assert ran_on == {"load": {compute_thread}, "pass": {compute_thread}}
+        assert threading.get_ident() != compute_thread  # not the event loop's
+    finally:
+        await mesh.stop()
+        torch.set_num_threads(threads_before)
