@@ -211,8 +211,9 @@ def print_breakdown(chain: dict) -> None:
     sums = [sum(chain["breakdown_us"][s].values()) for s in stages]
     print(f"   {'sum':<12}" + "".join(f"{x:>14.1f}" for x in sums))
     rest = chain["ms_per_token"] * 1000 - sum(sums)
+    # N + 1 hops: stages forward to each other (the default), and one stage answers the router itself.
     print(f"   token {chain['ms_per_token'] * 1000:.0f} µs at the router; beyond both stages' phases (gRPC, event "
-          f"loops, router, {len(stages) * 2} hops): {rest:.0f} µs ({rest / (chain['ms_per_token'] * 1000):.0%})")
+          f"loops, router, {len(stages) + 1} hops): {rest:.0f} µs ({rest / (chain['ms_per_token'] * 1000):.0%})")
 
 
 def print_tiny(hf: dict, chains: list[dict]) -> None:
