@@ -1,13 +1,14 @@
 """What one forward pass needs besides its inputs, built once per pass and shared by every layer.
 
 A pass is a flat batch of many sessions' steps, [T, hidden]. Its plan holds the rotary tables of the
-tokens' positions, the pool slots their K/V go to, and its attention groups: all decode steps of the
-pass in one group (one SDPA call per layer: queries [B, kvH, group, D]), and all prefill chunks in
-another (queries padded to the longest chunk, [B, H, Lq, D]). A group's keys are gathered from the
-pool into a padded [B, kvH, Lk, D] view (one index_select per layer into a scratch buffer the pool
-keeps), and its boolean masks (causal, the session's length, a sliding window) are made once per
-window size, not per layer. Padding keys read the pool's zeroed null block; padding query rows see
-key 0 only (never an all-masked row, which would give NaN).
+tokens' positions, the pool slots their K/V go to, and its attention groups: the decode steps of the
+pass in up to four groups of similar lengths (one SDPA call per group and layer: queries
+[B, kvH, group, D]), and all prefill chunks in another (queries padded to the longest chunk,
+[B, H, Lq, D]). A group's keys are gathered from the pool into a padded [B, kvH, Lk, D] view (one
+index_select per layer into a scratch buffer the pool keeps), and its boolean masks (causal, the
+session's length, a sliding window) are made once per window size, not per layer. Padding keys read
+the pool's zeroed null block; padding query rows see key 0 only (never an all-masked row, which would
+give NaN).
 """
 
 from __future__ import annotations
@@ -17,6 +18,12 @@ from dataclasses import dataclass, field
 import torch
 
 from stage_server.kv_pool import NULL_BLOCK, KVPool, SessionCache
+
+MAX_DECODE_GROUPS = 4
+"""SDPA calls per layer for a pass's decode steps, at most (see length_buckets)."""
+MAX_DECODE_PADDING = 1.25
+"""Keys gathered for a group of decode steps, at most this many times the keys they attend over (but see
+MAX_DECODE_GROUPS)."""
 
 
 @dataclass
@@ -87,10 +94,30 @@ def plan_pass(steps: list[StepSlice], pool: KVPool, rope: tuple[torch.Tensor, to
     pos = torch.tensor(positions, device=device)
     decode = [st for st in steps if st.length == 1]
     chunks = [st for st in steps if st.length > 1]
-    groups = [_group(g, pool, device) for g in (decode, chunks) if g]
+    groups = [_group(g, pool, device) for g in (*length_buckets(decode), chunks) if g]
     in_order = len(groups) == 1 and groups[0].valid is None and (len(decode) == len(steps) or len(chunks) == 1)
     pool.scratch(max(g.size * g.k_len for g in groups))  # grown once here, before the layers use it
     return PassPlan(cos[pos, None], sin[pos, None], torch.tensor(slots, device=device), groups, pool, in_order)
+
+
+def length_buckets(decode: list[StepSlice], max_groups: int = MAX_DECODE_GROUPS,
+                   padding: float = MAX_DECODE_PADDING) -> list[list[StepSlice]]:
+    """Decode steps in groups of similar lengths, longest first: each group's keys are gathered padded to its
+    own longest, and a group takes a shorter session only while its padded keys stay within `padding` times
+    the keys it holds (the last of max_groups takes the rest). One group for the whole pass gathered ~2x the
+    keys it attended over at the benchmark's mixed lengths (prompts 16-512, outputs 16-256)."""
+    buckets: list[list[StepSlice]] = []
+    held = longest = 0
+    for st in sorted(decode, key=lambda st: st.start, reverse=True):
+        end = st.start + 1
+        if buckets and (len(buckets) == max_groups or (len(buckets[-1]) + 1) * longest <= padding * (held + end)):
+            buckets[-1].append(st)
+            held += end
+        else:
+            buckets.append([st])
+            held = longest = end
+    # Each group in the pass's order: a single group's output is then the pass's rows as they are (in_order).
+    return [sorted(b, key=lambda st: st.offset) for b in buckets]
 
 
 def _group(steps: list[StepSlice], pool: KVPool, device: torch.device) -> AttentionGroup:

@@ -13,6 +13,7 @@ import torch
 import torch._inductor.config as inductor_config
 from transformers import AutoModelForCausalLM
 
+from stage_server import server as server_module
 from stage_server.compiled import compile_stage, compiled_graphs, is_compiled, warm_up_decode
 from stage_server.config import StageConfig
 from stage_server.kv_pool import KVPool
@@ -116,8 +117,13 @@ def test_compile_is_refused_with_quantize(tiny_model):
 async def test_a_failed_compilation_serves_eager(tiny_models, hf_models, monkeypatch, caplog):
     """No working C++ compiler for inductor (and no cached graph to fall back on): the warm-up's compilation
     fails, the stage logs it once and serves the same tokens eagerly."""
-    monkeypatch.setattr(inductor_config.cpp, "cxx", ("/nonexistent/c++",))
-    monkeypatch.setattr(inductor_config, "fx_graph_cache", False)
+    real_warm_up = server_module.warm_up
+
+    def warm_up_without_a_compiler(model, pool):  # inductor's config is per thread: set it on the compute thread
+        with inductor_config.patch({"cpp.cxx": ("/nonexistent/c++",), "fx_graph_cache": False}):
+            return real_warm_up(model, pool)
+
+    monkeypatch.setattr(server_module, "warm_up", warm_up_without_a_compiler)
     torch._dynamo.reset()  # no graph compiled by an earlier test may serve here
     caplog.set_level(logging.WARNING, logger="stagemesh.stage")
     mesh = await start_mesh(tiny_models["llama"], [splits(8)], stage_options={"compile": True})

@@ -17,6 +17,7 @@ from stage_server.batcher import BatcherConfig, StepBatcher, StepRequest
 from stage_server.kv_pool import KVPool, PoolExhausted, Preempted
 from stage_server.loader import load_stage
 from stage_server.model import StageModel, StepSlice
+from stage_server.pass_plan import MAX_DECODE_GROUPS, MAX_DECODE_PADDING, length_buckets
 from stage_server.sessions import SessionTable
 from stagemesh import tensor_codec
 from stagemesh.tiny_model import make_tiny_model
@@ -158,6 +159,23 @@ def test_many_sessions_of_different_lengths_in_one_pass_match_transformers(tiny_
     for c in [*caches, late_cache]:
         kv.release(c)
     assert kv.blocks_used == 0
+
+
+def test_decode_steps_are_attended_in_a_few_groups_of_similar_lengths():
+    """Each group gathers keys padded to its own longest session: within 1.25x of what it holds, in at most 4
+    groups (the last takes the rest), every step in exactly one group."""
+    steps = [StepSlice(None, i, start, 1) for i, start in enumerate([700, 20, 690, 300, 15, 310, 100, 5, 95, 400])]
+    buckets = length_buckets(steps)
+    assert sorted(st.offset for b in buckets for st in b) == list(range(len(steps)))
+    assert 1 < len(buckets) <= MAX_DECODE_GROUPS
+    for b in buckets[:-1]:
+        assert len(b) * max(st.start + 1 for st in b) <= MAX_DECODE_PADDING * sum(st.start + 1 for st in b)
+    for b in buckets:
+        assert [st.offset for st in b] == sorted(st.offset for st in b)  # in the pass's order
+    longest = [max(st.start for st in b) for b in buckets]
+    assert longest == sorted(longest, reverse=True) and longest[0] == 700
+    assert length_buckets(steps, max_groups=1) == [steps]
+    assert length_buckets([]) == []
 
 
 # --- every exit path gives the blocks back ------------------------------------------------------------
