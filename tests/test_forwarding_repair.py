@@ -6,12 +6,10 @@ one before the new stage re-pointed at it, and the step sent again. Tokens equal
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 import grpc
 import pytest
-import torch
 
 from router import repair
 from router.chain_client import Chain, Sampling, StageEndpoint
@@ -19,6 +17,7 @@ from router.forwarding import ForwardingSession
 from stagemesh.v1 import router_pb2
 from tests.conftest import hf_greedy, splits, start_mesh
 from tests.test_exactness import prompt
+from tests.test_repair import assert_repaired_exactly
 
 LAYOUT = splits(2, 3, 3)
 
@@ -55,18 +54,7 @@ async def test_a_repaired_forwarding_chain_continues_exact(tiny_model, hf_models
                 got.append(result.logits)
                 tokens.append(result.token_id)
                 feed = [result.token_id]
-        with torch.inference_mode():
-            ref = hf_models["llama"](torch.tensor([tokens])).logits[0]
-        for k, logits in enumerate(got):
-            torch.testing.assert_close(logits, ref[len(ids) - 1 + k], atol=1e-4, rtol=0)
-        assert tokens[len(ids):] == hf_greedy(hf_models["llama"], ids, 12)
-        live = [s for c in mesh.stages for s in c if s is not mesh.stages[0][dead]]
-        for _ in range(200):  # the closes ride the streams' next messages
-            if not any(len(s.sessions) for s in live):
-                break
-            await asyncio.sleep(0.02)
-        assert [len(s.sessions) for s in live] == [0] * 5
-        assert all(s.sessions.log_budget.used_bytes == 0 for s in live)
+        await assert_repaired_exactly(hf_models["llama"], ids, tokens, got, mesh, dead)
     finally:
         for stage in [*chain.stages, *spares]:
             await stage.close()

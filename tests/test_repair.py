@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-import time
 
 import grpc
 import pytest
@@ -22,10 +21,29 @@ from stagemesh.fault_mesh import FaultMesh
 from stagemesh.v1 import router_pb2, router_pb2_grpc, stage_pb2, stage_pb2_grpc
 from tests.conftest import hf_greedy, splits, start_mesh
 from tests.test_exactness import prompt
+from tests.test_fault_suite import _until
 from tests.test_identity import other_connection
 
 LAYOUT = splits(2, 3, 3)
 NEW_TOKENS = 40
+
+
+async def assert_repaired_exactly(hf, ids: list[int], tokens: list[int], got: list, mesh, dead: int) -> None:
+    """A session repaired around chain 0's stage `dead`: every step's logits within 1e-4 of transformers, the
+    greedy tokens its, and every live stage's sessions closed and output logs freed (the closes go out in the
+    background: polled, bounded)."""
+    with torch.inference_mode():
+        ref = hf(torch.tensor([tokens])).logits[0]
+    for k, logits in enumerate(got):
+        torch.testing.assert_close(logits, ref[len(ids) - 1 + k], atol=1e-4, rtol=0)
+    assert tokens[len(ids):] == hf_greedy(hf, ids, len(got))
+    live = [s for c in mesh.stages for s in c if s is not mesh.stages[0][dead]]
+    for _ in range(200):
+        if not any(len(s.sessions) for s in live):
+            break
+        await asyncio.sleep(0.02)
+    assert [len(s.sessions) for s in live] == [0] * 5  # 2 chains of 3 stages, one stopped
+    assert all(s.sessions.log_budget.used_bytes == 0 for s in live)
 
 
 def test_output_log_grows_within_its_budget_and_is_freed():
@@ -87,15 +105,7 @@ async def test_a_repaired_chain_continues_exact(tiny_model, hf_models, dead, fai
                 got.append(result.logits)
                 tokens.append(result.token_id)
                 feed = [result.token_id]
-        with torch.inference_mode():
-            ref = hf_models["llama"](torch.tensor([tokens])).logits[0]
-        for k, logits in enumerate(got):
-            torch.testing.assert_close(logits, ref[len(ids) - 1 + k], atol=1e-4, rtol=0)
-        assert tokens[len(ids):] == hf_greedy(hf_models["llama"], ids, 12)
-        await asyncio.sleep(0.3)  # the closes go out in the background
-        live = [s for c in mesh.stages for s in c if s is not mesh.stages[0][dead]]
-        assert [len(s.sessions) for s in live] == [0] * 5
-        assert all(s.sessions.log_budget.used_bytes == 0 for s in live)
+        await assert_repaired_exactly(hf_models["llama"], ids, tokens, got, mesh, dead)
     finally:
         await mesh.stop()
 
@@ -209,14 +219,6 @@ def pm3(tiny_model, tmp_path_factory, request):
                      router_args=(*mode, "--health-interval-s", "0.2", "--step-timeout-s", "5"))
     yield mesh
     mesh.stop()
-
-
-async def _until(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not await predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout}s: {what}")
-        await asyncio.sleep(0.2)
 
 
 async def test_sigkill_of_a_middle_stage_is_repaired_not_replayed(pm3, hf_models):
