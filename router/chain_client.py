@@ -146,6 +146,20 @@ def stage_error(code: grpc.StatusCode, stage: StageEndpoint, details: str) -> gr
                                 details=f"stage {stage.address}: {details}")
 
 
+CALL_BROKE = "Internal error from Core"
+"""The details of grpc.aio's own INTERNAL for a call whose write or read failed in the client because the
+connection ended under it (a stage stopped while the router was writing to it): the call takes that status
+in place of the one the stage's end would have given."""
+
+
+def call_status(code: grpc.StatusCode, details: str) -> tuple[grpc.StatusCode, str]:
+    """A stage call's end as the router reads it: a call that broke under grpc's client (CALL_BROKE) is the
+    stage or its link gone, UNAVAILABLE, not INTERNAL, which says a step failed alone on a live stage."""
+    if code == grpc.StatusCode.INTERNAL and details == CALL_BROKE:
+        return grpc.StatusCode.UNAVAILABLE, "the call broke: the stage or its link went away"
+    return code, details
+
+
 class ChainSession:
     """One request's inference session on every stage of a chain.
 
@@ -289,9 +303,10 @@ class ChainSession:
                 response = await call.read()
         except asyncio.InvalidStateError:  # the stream had already ended: its status says why
             response = grpc.aio.EOF
-        except grpc.aio.AioRpcError:
+        except grpc.aio.AioRpcError as exc:
             self.failed_stage = index
-            raise
+            code, details = call_status(exc.code(), exc.details())
+            raise stage_error(code, stage, details) from None
         except TimeoutError:
             self.failed_stage = index
             call.cancel()
@@ -299,7 +314,7 @@ class ChainSession:
             raise stage_error(grpc.StatusCode.UNAVAILABLE, stage,
                                f"no progress on a {tokens}-token step in {limit:.1f}s: hung or unreachable") from None
         if response is grpc.aio.EOF:
-            code, details = await call.code(), await call.details()
+            code, details = call_status(await call.code(), await call.details())
             if code == grpc.StatusCode.OK:
                 code, details = grpc.StatusCode.UNAVAILABLE, "ended the stream"
             self.failed_stage = index

@@ -14,7 +14,7 @@ from array import array
 
 import grpc
 
-from router.chain_client import StageEndpoint, stage_error
+from router.chain_client import StageEndpoint, call_status, stage_error
 from stagemesh import grpc_server
 from stagemesh.v1 import stage_pb2
 
@@ -131,7 +131,7 @@ class StageMux:
                                           grpc.StatusCode.UNKNOWN)
                         entry[0].put_nowait((entry[1], stage_error(fault_code, self.stage, fault.details)))
         except grpc.aio.AioRpcError as exc:
-            code, details = exc.code(), exc.details()
+            code, details = call_status(exc.code(), exc.details())
         finally:
             self.broken = True
             self._writer.cancel()

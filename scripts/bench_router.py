@@ -11,7 +11,8 @@ the bottleneck) or after a step time drawn uniformly from 0.5..1.5 x --step-ms (
 without spending CPU on it), so that 1,000 streams offer a load the machine can carry. Per setting,
 medians over --repeats runs:
 
-- router CPU ms/token: the router process's CPU time (from /proc) over the tokens streamed;
+- router CPU ms/token: the router process's CPU time over the tokens streamed (the run time of its threads
+  from /proc/PID/task/*/schedstat, in nanoseconds: psutil's clock-tick times read 0 for a short run);
 - turnaround as the stage sees it: from the stage sending a session's token to receiving that session's
   next step, i.e. two loopback hops plus everything the router does per token (exact samples);
 - turnaround as the router sees it: its stagemesh_router_token_turnaround_seconds histogram, from
@@ -253,16 +254,31 @@ async def one_stream(stub, tokens: int, gaps: list[float]) -> int:
     return n
 
 
+def cpu_seconds(pid: int) -> float:
+    """The CPU time of the process's live threads, at the scheduler's nanosecond resolution (psutil's
+    cpu_times counts 10 ms clock ticks, which a few hundred router tokens do not fill); falls back to
+    those ticks where /proc has no schedstat."""
+    total = 0
+    try:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:
+                total += int((task / "schedstat").read_text().split()[0])
+            except (FileNotFoundError, ProcessLookupError):
+                continue  # a thread that ended between the listing and the read
+    except FileNotFoundError:
+        return sum(psutil.Process(pid).cpu_times()[:2])
+    return total / 1e9
+
+
 async def run_level(address: str, router_pid: int, streams: int, tokens: int) -> tuple[int, float, float, list]:
-    router = psutil.Process(router_pid)
     async with grpc.aio.insecure_channel(address) as channel:
         stub = router_pb2_grpc.RouterStub(channel)
         gaps: list[float] = []
-        cpu0 = sum(router.cpu_times()[:2])
+        cpu0 = cpu_seconds(router_pid)
         t0 = time.perf_counter()
         counts = await asyncio.gather(*(one_stream(stub, tokens, gaps) for _ in range(streams)))
         wall = time.perf_counter() - t0
-        cpu = sum(router.cpu_times()[:2]) - cpu0
+        cpu = cpu_seconds(router_pid) - cpu0
     return sum(counts), wall, cpu, gaps
 
 

@@ -12,7 +12,7 @@ import grpc
 import pytest
 import torch
 
-from router.chain_client import Chain, Sampling, StageEndpoint
+from router.chain_client import Chain, ChainSession, Sampling, StageEndpoint
 from router.forwarding import ForwardingSession
 from router.generation import GenerationConfig
 from stagemesh import tensor_codec
@@ -162,6 +162,28 @@ async def test_a_dead_next_stage_fails_the_sessions_it_carried_naming_it(tiny_mo
                     token = (await session.step([token], sampling=Sampling())).token_id
             assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
             assert mesh.stages[0][1].address in failed.value.details()
+        await until_empty(mesh)
+
+
+@pytest.mark.parametrize("forwarding", [True, False], ids=["forwarding", "relay"])
+async def test_a_stage_stopped_while_the_router_writes_to_it_is_unavailable(tiny_model, forwarding):
+    """The first stage stops while the router is still writing chunks of eight sessions' prefills to it. grpc's
+    client then fails its own write with INTERNAL "Internal error from Core" (the call broke under it) and
+    the call takes that status; the router hears what it is, the stage gone: UNAVAILABLE naming the stage
+    (a stage fault, which repair.py repairs and generation.py blames on the chain), never INTERNAL (which
+    would say a step failed alone there)."""
+    kind = ForwardingSession if forwarding else ChainSession
+    async with one_chain(tiny_model, 2) as (mesh, chain):
+        async with contextlib.AsyncExitStack() as stack:
+            sessions = [await stack.enter_async_context(kind(chain, 256, f"stopped-{i}")) for i in range(8)]
+            stopped = asyncio.ensure_future(mesh.stages[0][0].stop(0))
+            steps = [asyncio.ensure_future(s.step(prompt(192, seed=i), sampling=Sampling(), chunk_size=8))
+                     for i, s in enumerate(sessions)]
+            failures = await asyncio.gather(*steps, return_exceptions=True)
+            await stopped
+        assert all(isinstance(f, grpc.aio.AioRpcError) for f in failures), failures
+        assert {f.code() for f in failures} == {grpc.StatusCode.UNAVAILABLE}, [f.details() for f in failures]
+        assert all(mesh.stages[0][0].address in f.details() for f in failures), [f.details() for f in failures]
         await until_empty(mesh)
 
 
