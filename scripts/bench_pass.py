@@ -3,10 +3,13 @@
     python scripts/bench_pass.py                          # the tiny model, whole, B = 1, 8, 32, 64
     python scripts/bench_pass.py --code /tmp/old-tree     # the same with another checkout's stage code
     python scripts/bench_pass.py --medium --sizes 1,32
+    python scripts/bench_pass.py --attention kernel,gather   # both decode attentions, passes alternated
 
 No gRPC, no router: the model's forward pass alone, with each session holding `--context` positions
 (prompts of different lengths around it, so the batch mixes lengths), one thread. Works with the
-stage code before the paged pool (a whole cache per session) and after it (KVPool.grow).
+stage code before the paged pool (a whole cache per session) and after it (KVPool.grow). --attention names
+the decode attentions to time side by side (kernel: the paged attention kernel, gather: SDPA over gathered K/V;
+trees before the kernel have only the gather).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ def main() -> None:
     p.add_argument("--context", type=int, default=200, help="mean positions each session holds")
     p.add_argument("--passes", type=int, default=30)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--attention", default="", help="kernel,gather: time each, passes alternated (default: the tree's)")
     args = p.parse_args()
     sys.path.insert(0, str(args.code.resolve()))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -44,6 +48,12 @@ def main() -> None:
     model_dir = args.model or str(ROOT / "models" / ("llama-270m" if args.medium else "tiny-llama"))
     model = load_stage(model_dir, 0, None)
     a = model.args
+    variants = {"": getattr(model, "decode_attention", None)}
+    if args.attention:
+        from stage_server import paged_attention
+
+        kinds = {"kernel": paged_attention.load(), "gather": None}
+        variants = {name: kinds[name] for name in args.attention.split(",")}
     out = {}
     for size in (int(s) for s in args.sizes.split(",")):
         pool = KVPool(8 << 30, len(model.layers), a.num_kv_heads, a.head_dim, model.dtype)
@@ -54,18 +64,23 @@ def main() -> None:
                 if hasattr(pool, "grow"):
                     pool.grow(c, n)
                 model(torch.randint(4, a.vocab_size, (n,)), [StepSlice(c, 0, 0, n)])
-            times = []
+            times = {name: [] for name in variants}
             for _ in range(args.passes):
-                steps = []
-                for i, c in enumerate(caches):
-                    if hasattr(pool, "grow"):
-                        pool.grow(c, c.length + 1)
-                    steps.append(StepSlice(c, i, c.length, 1))
-                t = time.perf_counter()
-                model(torch.randint(4, a.vocab_size, (size,)), steps)
-                times.append(time.perf_counter() - t)
-        out[size] = statistics.median(times[3:]) * 1000
-        print(f"B={size:3d}: {out[size]:7.2f} ms per decode pass ({out[size] / size:.3f} ms per session)", flush=True)
+                for name, attention in variants.items():
+                    if name:
+                        model.decode_attention = attention
+                    steps = []
+                    for i, c in enumerate(caches):
+                        if hasattr(pool, "grow"):
+                            pool.grow(c, c.length + 1)
+                        steps.append(StepSlice(c, i, c.length, 1))
+                    t = time.perf_counter()
+                    model(torch.randint(4, a.vocab_size, (size,)), steps)
+                    times[name].append(time.perf_counter() - t)
+        for name, ts in times.items():
+            ms = out[f"{size}{'/' + name if name else ''}"] = statistics.median(ts[3:]) * 1000
+            print(f"B={size:3d}{' ' + name if name else ''}: {ms:7.2f} ms per decode pass ({ms / size:.3f} ms per "
+                  "session)", flush=True)
     print(json.dumps({"code": str(args.code), "model": model_dir, "context": args.context, "ms_per_pass": out}))
 
 

@@ -130,6 +130,10 @@ class StageConfig:
     """torch.compile (inductor) the whole decode pass (all layers, KV writes, attention, LM head) as one graph;
     prefill stays eager. Compiled in the warm-up before SERVING (the time shows in the cold start); eager, logged
     once, if compilation fails (stage_server/compiled.py). Not with --quantize or --tp."""
+    attention_kernel: bool = True
+    """On the CPU, decode steps attend by the paged attention kernel, which reads K/V where they lie in the pool
+    (built with this host's C++ compiler on first use and cached, stage_server/paged_attention.py); off, or where
+    it cannot be built, they are gathered into a padded buffer for SDPA."""
 
     tp: int = 1
     """Tensor-parallel ranks: the slice runs on this many processes of this host (one per CUDA device on a GPU

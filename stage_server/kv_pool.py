@@ -67,14 +67,16 @@ class KVPool:
         self.num_blocks = max(2, capacity_bytes // self.block_bytes)  # block 0 is the null block
         slots = self.num_blocks * block_size
         try:
-            # k, v: [num_layers_in_stage, num_kv_heads, num_blocks * block_size, head_dim]; slot = block * bs + offset
-            self.k = torch.empty(num_layers, num_kv_heads, slots, head_dim, dtype=dtype, device=self.device)
+            # k, v: [num_layers_in_stage, num_blocks * block_size, num_kv_heads, head_dim]; slot = block * bs + offset.
+            # Slot-major: a position's K (or V) for every kv head is one row, a block one run of memory, which the
+            # paged attention kernel (paged_attention.cpp) reads in place.
+            self.k = torch.empty(num_layers, slots, num_kv_heads, head_dim, dtype=dtype, device=self.device)
             self.v = torch.empty_like(self.k)
         except (torch.OutOfMemoryError, MemoryError, RuntimeError) as exc:
             raise PoolExhausted(f"the device could not hold a KV pool of {capacity_bytes} bytes "
                                 f"({type(exc).__name__}); start the stage with a smaller --kv-cache-gb") from exc
-        self.k[:, :, :block_size].zero_()
-        self.v[:, :, :block_size].zero_()
+        self.k[:, :block_size].zero_()
+        self.v[:, :block_size].zero_()
         self.free: list[int] = list(range(self.num_blocks - 1, NULL_BLOCK, -1))  # pop() gives the lowest
         self.caches: dict[int, SessionCache] = {}  # live ones, by id()
         self.preemptions = 0

@@ -2,7 +2,8 @@
 
 One forward pass runs a flat batch: the tokens of many sessions' steps side by side, [T, hidden].
 Linear layers see all T tokens at once; attention runs once per layer for all decode steps of the
-pass (and once for all its prefill chunks) over K/V gathered from the paged pool (kv_pool.py), with
+pass (on the CPU by a kernel that reads K/V in the paged pool, kv_pool.py and paged_attention.py), and
+once for all its prefill chunks over K/V gathered from the pool, with
 rotary tables, slots and masks made once per pass (pass_plan.py), so sessions of different lengths,
 prefill chunks and decode steps share one pass.
 The math follows transformers' modeling_llama/qwen2/mistral so that results match it.
@@ -14,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stage_server.pass_plan import AttentionGroup, PassPlan, StepSlice, plan_pass
+from stage_server.pass_plan import AttentionGroup, DecodeAttention, PassPlan, StepSlice, plan_pass
 from stagemesh.checkpoint import ModelArgs
 
 
@@ -75,9 +76,9 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)  # [T, (H + 2 kvH) * D]
         qk = apply_rope(qkv[:, : (H + kvH) * D].view(T, H + kvH, D), plan.cos, plan.sin)  # [T, H + kvH, D]
         q = qk[:, :H]  # [T, H, D]
-        k_pool, v_pool = plan.pool.k[self.slot], plan.pool.v[self.slot]  # [kvH, slots, D]
-        k_pool.index_copy_(1, plan.slots, qk[:, H:].transpose(0, 1))
-        v_pool.index_copy_(1, plan.slots, qkv[:, (H + kvH) * D :].view(T, kvH, D).transpose(0, 1))
+        k_pool, v_pool = plan.pool.k[self.slot], plan.pool.v[self.slot]  # [slots, kvH, D]
+        k_pool.index_copy_(0, plan.slots, qk[:, H:])
+        v_pool.index_copy_(0, plan.slots, qkv[:, (H + kvH) * D :].view(T, kvH, D))
         if plan.in_order:
             return self.o_proj(self._attend(q, plan.groups[0], k_pool, v_pool, plan).reshape(T, H * D))
         out = torch.empty(T, H, D, dtype=x.dtype, device=x.device)
@@ -91,16 +92,20 @@ class Attention(nn.Module):
 
     def _attend(self, q: torch.Tensor, g: AttentionGroup, k_pool: torch.Tensor, v_pool: torch.Tensor,
                 plan: PassPlan) -> torch.Tensor:
-        """One SDPA call for the group's sessions: q [T, H, D] (the pass's) -> [B * Lq, H, D]."""
+        """One attention call for the group's sessions: q [T, H, D] (the pass's) -> [B * Lq, H, D]."""
         a = self.args
         H, kvH, D, B, Lq, Lk = a.num_heads, a.num_kv_heads, a.head_dim, g.size, g.q_len, g.k_len
-        if g.gather is None:  # one session in consecutive blocks: a view of the pool, [kvH, 1, Lk, D]
-            k = k_pool[:, g.first_slot : g.first_slot + Lk, None].transpose(1, 2)
-            v = v_pool[:, g.first_slot : g.first_slot + Lk, None].transpose(1, 2)
-        else:  # contiguous in the reused scratch buffers (SDPA on CPU is many times slower on strided K/V)
-            k_buf, v_buf = plan.pool.scratch(B * Lk)  # [kvH, B * Lk, D], grown for the pass already
-            k = torch.index_select(k_pool, 1, g.gather, out=k_buf).view(kvH, B, Lk, D)
-            v = torch.index_select(v_pool, 1, g.gather, out=v_buf).view(kvH, B, Lk, D)
+        if g.table is not None:  # decode steps, the kernel reading K/V in the pool (paged_attention.py)
+            qd = (q if plan.in_order else q[g.rows]).contiguous()  # [B, H, D]
+            return plan.decode_attention(qd, k_pool, v_pool, g.table, g.ends, plan.pool.block_size, self.window or 0,
+                                         D**-0.5)
+        # Gathered contiguous into the reused scratch buffers (SDPA on CPU is many times slower on strided K/V), a
+        # kv head at a time: index_select over the pool's transposed view would first copy the whole layer.
+        k_buf, v_buf = plan.pool.scratch(B * Lk)  # [kvH, B * Lk, D], grown for the pass already
+        for h in range(kvH):
+            torch.index_select(k_pool[:, h], 0, g.gather, out=k_buf[h])
+            torch.index_select(v_pool[:, h], 0, g.gather, out=v_buf[h])
+        k, v = k_buf.view(kvH, B, Lk, D), v_buf.view(kvH, B, Lk, D)
         mask = g.mask(self.window)  # [B, Lq, Lk] or None
         if Lq == 1:
             # Decode steps: the query heads that share a kv head are rows of one query block, [kvH, B, group, D].
@@ -167,6 +172,9 @@ class StageModel(nn.Module):
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # rope_tables(), made on first use
         self.load_s = 0.0  # how long loading took (cold start), set by the stage server
         self.decode_graph = None  # --compile: decode passes' compiled graph (stage_server/compiled.py)
+        # On the CPU, the kernel that attends decode steps over K/V in place (stage_server/paged_attention.py);
+        # None: gathered for SDPA.
+        self.decode_attention: DecodeAttention | None = None
         self.tp_group = None  # rank 0 of a tensor-parallel stage: its TPGroup (stage_server/tensor_parallel.py)
 
     # Read from a norm weight: Linear layers may be quantized (stage_server/quantize.py).
@@ -209,7 +217,7 @@ class StageModel(nn.Module):
         x = self.embed_tokens(inputs) if self.is_first else inputs.to(self.dtype)  # [T, hidden]
         rope = self.rope(max(st.start + st.length for st in steps), x.dtype)
         # Rotary rows, slots, gather indices and masks: made once per pass, used by every layer.
-        plan = plan_pass(steps, steps[0].cache.pool, rope, x.device)
+        plan = plan_pass(steps, steps[0].cache.pool, rope, x.device, self.decode_attention)
         for layer in self.layers:
             x = layer(x, plan)
         for st in steps:

@@ -1,23 +1,30 @@
 """What one forward pass needs besides its inputs, built once per pass and shared by every layer.
 
 A pass is a flat batch of many sessions' steps, [T, hidden]. Its plan holds the rotary tables of the
-tokens' positions, the pool slots their K/V go to, and its attention groups: the decode steps of the
-pass in up to four groups of similar lengths (one SDPA call per group and layer: queries
-[B, kvH, group, D]), and all prefill chunks in another (queries padded to the longest chunk,
-[B, H, Lq, D]). A group's keys are gathered from the pool into a padded [B, kvH, Lk, D] view (one
-index_select per layer into a scratch buffer the pool keeps), and its boolean masks (causal, the
-session's length, a sliding window) are made once per window size, not per layer. Padding keys read
-the pool's zeroed null block; padding query rows see key 0 only (never an all-masked row, which would
-give NaN).
+tokens' positions, the pool slots their K/V go to, and its attention groups. With the paged attention
+kernel (paged_attention.py) every decode step of the pass is in one group, attended in place through
+the sessions' block tables ([B, nb], and each one's end). Without it, the decode steps are in up to four
+groups of similar lengths (one SDPA call per group and layer: queries [B, kvH, group, D]). All prefill
+chunks are in another (queries padded to the longest chunk, [B, H, Lq, D]). An SDPA group's keys are
+gathered from the pool into a padded [B, kvH, Lk, D] view (one index_select per layer into a scratch
+buffer the pool keeps), and its boolean masks (causal, the session's length, a sliding window) are made
+once per window size, not per layer. Padding keys read the pool's zeroed null block; padding query rows
+see key 0 only (never an all-masked row, which would give NaN).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from stage_server.kv_pool import NULL_BLOCK, KVPool, SessionCache
+
+DecodeAttention = Callable[..., torch.Tensor]
+"""The paged attention kernel (paged_attention.py): (q [B, H, D], k [slots, kvH, D], v, table [B, nb] int64,
+ends [B] int64, block_size, window (0: none), scale) -> [B, H, D], each session's query over its keys
+[max(0, end - window), end)."""
 
 MAX_DECODE_GROUPS = 4
 """SDPA calls per layer for a pass's decode steps, at most (see length_buckets)."""
@@ -49,8 +56,8 @@ class AttentionGroup:
     k_len: int  # Lk: the longest end
     rows: torch.Tensor  # [B * Lq] the rows of the flat batch holding its queries (padding: the step's first)
     valid: torch.Tensor | None  # [B * Lq] which of those are real queries (None: all)
-    gather: torch.Tensor | None  # [B * Lk] pool slots of its keys (None: one contiguous run, see first_slot)
-    first_slot: int
+    gather: torch.Tensor | None  # [B * Lk] pool slots of its keys, for SDPA (None: attended through table)
+    table: torch.Tensor | None  # [B, nb] block tables, padded with NULL_BLOCK, for the paged attention kernel
     q_pos: torch.Tensor  # [B, Lq] query positions (padding: 0)
     ends: torch.Tensor  # [B] one past each session's last position
     masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)  # by window: [B, Lq, Lk]
@@ -82,10 +89,11 @@ class PassPlan:
     groups: list[AttentionGroup]
     pool: KVPool
     in_order: bool  # one group, no padding, rows 0..T-1: its output is the pass's as is
+    decode_attention: DecodeAttention | None  # for the groups with a table
 
 
 def plan_pass(steps: list[StepSlice], pool: KVPool, rope: tuple[torch.Tensor, torch.Tensor],
-              device: torch.device) -> PassPlan:
+              device: torch.device, decode_attention: DecodeAttention | None = None) -> PassPlan:
     cos, sin = rope
     positions, slots = [], []
     for st in steps:
@@ -94,10 +102,17 @@ def plan_pass(steps: list[StepSlice], pool: KVPool, rope: tuple[torch.Tensor, to
     pos = torch.tensor(positions, device=device)
     decode = [st for st in steps if st.length == 1]
     chunks = [st for st in steps if st.length > 1]
-    groups = [_group(g, pool, device) for g in (*length_buckets(decode), chunks) if g]
+    paged = decode_attention is not None
+    decode_groups = [decode] if paged else length_buckets(decode)
+    groups = [_group(g, pool, device, paged) for g in decode_groups if g]
+    if chunks:
+        groups.append(_group(chunks, pool, device, False))
     in_order = len(groups) == 1 and groups[0].valid is None and (len(decode) == len(steps) or len(chunks) == 1)
-    pool.scratch(max(g.size * g.k_len for g in groups))  # grown once here, before the layers use it
-    return PassPlan(cos[pos, None], sin[pos, None], torch.tensor(slots, device=device), groups, pool, in_order)
+    gathered = [g.size * g.k_len for g in groups if g.gather is not None]
+    if gathered:
+        pool.scratch(max(gathered))  # grown once here, before the layers use it
+    return PassPlan(cos[pos, None], sin[pos, None], torch.tensor(slots, device=device), groups, pool, in_order,
+                    decode_attention)
 
 
 def length_buckets(decode: list[StepSlice], max_groups: int = MAX_DECODE_GROUPS,
@@ -120,7 +135,8 @@ def length_buckets(decode: list[StepSlice], max_groups: int = MAX_DECODE_GROUPS,
     return [sorted(b, key=lambda st: st.offset) for b in buckets]
 
 
-def _group(steps: list[StepSlice], pool: KVPool, device: torch.device) -> AttentionGroup:
+def _group(steps: list[StepSlice], pool: KVPool, device: torch.device, paged: bool) -> AttentionGroup:
+    """paged: decode steps for the paged attention kernel (the block table); else an SDPA group (gather indices)."""
     bs = pool.block_size
     q_len = max(st.length for st in steps)
     ends = [st.start + st.length for st in steps]
@@ -131,24 +147,21 @@ def _group(steps: list[StepSlice], pool: KVPool, device: torch.device) -> Attent
         rows.extend([*range(st.offset, st.offset + st.length), *([st.offset] * pad)])
         valid.extend([True] * st.length + [False] * pad)
         q_pos.extend([*range(st.start, st.start + st.length), *([0] * pad)])
-    first_slot, gather = 0, None
-    blocks = steps[0].cache.blocks
-    contiguous = len(steps) == 1 and all(b == blocks[0] + i for i, b in enumerate(blocks))
-    if contiguous:
-        first_slot = blocks[0] * bs  # one session in consecutive blocks: a view of the pool, no gather
-    else:
-        n_blocks = pool.blocks_for(k_len)
-        table = torch.tensor([st.cache.blocks[:n_blocks] + [NULL_BLOCK] * (n_blocks - len(st.cache.blocks[:n_blocks]))
-                              for st in steps], device=device)  # [B, n_blocks]
+    n_blocks = pool.blocks_for(k_len)
+    table = torch.tensor([st.cache.blocks[:n_blocks] + [NULL_BLOCK] * (n_blocks - len(st.cache.blocks[:n_blocks]))
+                          for st in steps], device=device)  # [B, n_blocks]
+    ends_t = torch.tensor(ends, device=device)
+    gather = None
+    if not paged:
         offsets = torch.arange(n_blocks * bs, device=device)
         slots = (table.repeat_interleave(bs, dim=1) * bs + offsets % bs)[:, :k_len]  # [B, Lk]
-        inside = offsets[None, :k_len] < torch.tensor(ends, device=device)[:, None]
+        inside = offsets[None, :k_len] < ends_t[:, None]
         gather = torch.where(inside, slots, offsets[None, :k_len] % bs + NULL_BLOCK * bs).reshape(-1)
     return AttentionGroup(
         size=len(steps), q_len=q_len, k_len=k_len,
         rows=torch.tensor(rows, device=device),
         valid=None if all(valid) else torch.tensor(valid, device=device),
-        gather=gather, first_slot=first_slot,
+        gather=gather, table=table if paged else None,
         q_pos=torch.tensor(q_pos, device=device).view(len(steps), q_len),
-        ends=torch.tensor(ends, device=device),
+        ends=ends_t,
     )

@@ -15,6 +15,7 @@ import psutil
 import torch
 from grpc_health.v1 import health_pb2
 
+from stage_server import paged_attention
 from stage_server.batcher import StepBatcher
 from stage_server.compiled import compile_stage, compiled_graphs, is_compiled, warm_up_decode
 from stage_server.config import StageConfig, max_step_bytes, split_host_port
@@ -200,13 +201,15 @@ class StageServer:
         if self.config.tp > 1:  # the other ranks load their shards meanwhile
             tp = TPGroup({"model": self.config.model, "layer_start": layer_start, "layer_end": layer_end,
                           "dtype": self.config.dtype, "device": str(self.device), "threads": self.config.threads,
-                          "size": self.config.tp}, self.device)
+                          "size": self.config.tp, "attention_kernel": self.config.attention_kernel}, self.device)
         model = load_stage(self.config.model, layer_start, layer_end, dtype=dtype, device=self.device,
                            int8_linears=loads_int8_weights(self.config.quantize, self.device.type, dtype),
                            tp=(0, self.config.tp))
         if tp is not None:
             tp.join(model)
         model = quantize(model, self.config.quantize)  # torch.ao's path on CPU float32; else done at load
+        if self.config.attention_kernel:
+            paged_attention.attach(model)
         if self.config.compile:
             compile_stage(model)  # compiles in the warm-up, before SERVING
         if self.config.preload:

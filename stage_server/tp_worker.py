@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from stage_server import paged_attention
 from stage_server.loader import TORCH_DTYPES, load_stage
 from stage_server.tensor_parallel import WATCH_S, new_group, rank_device, receive_pass, shard_layers
 from stagemesh.log import setup_logging
@@ -37,6 +38,8 @@ def run(spec: dict) -> None:
     device = rank_device(torch.device(spec["device"]), rank)
     model = load_stage(spec["model"], spec["layer_start"], spec["layer_end"], dtype=TORCH_DTYPES[spec["dtype"]],
                        device=device, tp=(rank, size))
+    if spec["attention_kernel"]:
+        paged_attention.attach(model)
     # Rank 0 runs the final norm and LM head on the reduced hidden states; this rank stops after the layers.
     model.is_last, model.norm, model.lm_head = False, None, None
     group = new_group(spec["backend"], spec["port"], rank, size)

@@ -13,6 +13,7 @@ import torch
 import torch._inductor.config as inductor_config
 from transformers import AutoModelForCausalLM
 
+from stage_server import paged_attention
 from stage_server import server as server_module
 from stage_server.compiled import compile_stage, compiled_graphs, is_compiled, warm_up_decode
 from stage_server.config import StageConfig
@@ -37,21 +38,29 @@ def compile_models(tiny_models, tmp_path_factory):
     return {"llama": tiny_models["llama"], "windowed-mistral": windowed, "qwen2": tiny_models["qwen2"]}
 
 
-@pytest.mark.parametrize("family", MODELS)
-def test_batched_decode_passes_compiled_match_transformers(compile_models, family):
+ATTENTIONS = [*((family, "kernel") for family in MODELS), ("windowed-mistral", "written-out")]
+
+
+@pytest.mark.parametrize(("family", "attention"), ATTENTIONS)
+def test_batched_decode_passes_compiled_match_transformers(compile_models, family, attention):
     """The whole model in one compiled stage, in process: sessions of 1-17 positions in 4-position blocks, decoded
     together in passes of 1 to 4 of them (the batcher's decode passes), each crossing many block boundaries.
     Every step's logits within 1e-4 of transformers' forward pass, greedy tokens the same, and no graph compiled
-    after the warm-up as the batch size and the key length vary."""
+    after the warm-up as the batch size and the key length vary. Attention in the graph is the paged attention
+    kernel (a stage on the CPU), or written out for inductor (a stage without the kernel)."""
     path = compile_models[family]
     model = load_stage(path, 0, None)
+    if attention == "kernel":
+        paged_attention.attach(model)
+        if model.decode_attention is None:
+            pytest.skip("the paged attention kernel could not be built here (tests/test_paged_attention.py says why)")
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     a = model.args
     pool = KVPool(1 << 22, len(model.layers), a.num_kv_heads, a.head_dim, model.dtype, "cpu", block_size=4)
     # Slots not yet written hold whatever the memory held, NaN included (the pool is torch.empty; recycled
     # memory in a long-lived process is not zero): the masked keys of a session's last block must not matter.
-    pool.k[:, :, pool.block_size:] = float("nan")
-    pool.v[:, :, pool.block_size:] = float("nan")
+    pool.k[:, pool.block_size:] = float("nan")
+    pool.v[:, pool.block_size:] = float("nan")
     compile_stage(model)
     warm_up_decode(model, pool)
     assert is_compiled(model)

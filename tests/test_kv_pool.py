@@ -13,6 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from router.generation import GenerationConfig
+from stage_server import paged_attention
 from stage_server.batcher import BatcherConfig, StepBatcher, StepRequest
 from stage_server.kv_pool import KVPool, PoolExhausted, Preempted
 from stage_server.loader import load_stage
@@ -124,14 +125,20 @@ def mha_llama(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("mha") / "llama", "llama", layers=2, heads=8, kv_heads=8, seed=13)
 
 
+@pytest.mark.parametrize("attention", ["kernel", "gather"])
 @pytest.mark.parametrize("family", ["llama", "qwen2", "windowed-mistral", "mha-llama"])
 def test_many_sessions_of_different_lengths_in_one_pass_match_transformers(tiny_models, windowed_mistral, mha_llama,
-                                                                           family):
+                                                                           family, attention):
     """Prefills of different lengths in one pass, then passes that mix decode steps with a chunked prefill
     over an existing cache, in blocks of 4 positions (every session crosses many block boundaries);
-    the blocks of different sessions interleave in the pool. Logits within 1e-4 of transformers."""
+    the blocks of different sessions interleave in the pool. Logits within 1e-4 of transformers, with decode
+    steps attended by the paged attention kernel and by SDPA over gathered K/V."""
     path = {"windowed-mistral": windowed_mistral, "mha-llama": mha_llama}.get(family) or tiny_models[family]
     model = load_stage(path, 0, None)
+    if attention == "kernel":
+        paged_attention.attach(model)
+        if model.decode_attention is None:
+            pytest.skip("the paged attention kernel could not be built here (tests/test_paged_attention.py says why)")
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     a = model.args
     kv = KVPool(1 << 22, len(model.layers), a.num_kv_heads, a.head_dim, model.dtype, "cpu", block_size=4)

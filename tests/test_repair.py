@@ -134,10 +134,10 @@ async def test_rebuilt_kv_equals_the_stepped_kv(twin):
 
 
 def _kv(pool, cache, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A session's K and V of positions 0..n-1, from the pool: [layers, kv_heads, n, head_dim] each."""
+    """A session's K and V of positions 0..n-1, from the pool: [layers, n, kv_heads, head_dim] each."""
     slots = torch.tensor([cache.blocks[p // pool.block_size] * pool.block_size + p % pool.block_size
                           for p in range(n)])
-    return pool.k[:, :, slots], pool.v[:, :, slots]
+    return pool.k[:, slots], pool.v[:, slots]
 
 
 async def test_the_output_log_is_its_openers_and_only_if_asked(twin):

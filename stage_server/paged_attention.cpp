@@ -1,0 +1,158 @@
+// Decode attention read straight from the paged KV pool, on the CPU: stagemesh::decode_attention.
+//
+// One query position per session (a decode step), every session of the pass in one call: each session's keys
+// and values are read where they lie, block by block through its block table, once for K and once for V.
+// The gather + SDPA path (stage_server/model.py) copies them into a padded contiguous buffer first and reads
+// them again, three passes over the pass's whole KV instead of one; on a busy stage the KV outweighs the
+// weights. Softmax in float32, exactly (two passes: scores, then weights), whatever the pool's dtype.
+// Built and loaded by stage_server/paged_attention.py.
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+// e^x for x <= 0 (a score less its row's largest): 2^(x log2 e) = 2^n 2^f, f in [-0.5, 0.5], 2^f by its Taylor
+// series to degree 7 (relative error under 2e-8). Arithmetic only, so the loop around it vectorizes.
+inline float exp_nonpositive(float x) {
+  const float t = std::max(x, -87.f) * 1.44269504088896341f;
+  const int32_t n = static_cast<int32_t>(t - 0.5f);  // t <= 0: truncation of t - 0.5 rounds t to nearest
+  const float f = t - static_cast<float>(n);
+  float p = 1.525273380405984e-5f;
+  p = p * f + 1.540353039338161e-4f;
+  p = p * f + 1.333355814642844e-3f;
+  p = p * f + 9.618129107628477e-3f;
+  p = p * f + 5.550410866482158e-2f;
+  p = p * f + 2.402265069591007e-1f;
+  p = p * f + 6.931471805599453e-1f;
+  p = p * f + 1.f;
+  const int32_t bits = (n + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// q: [B, H, D]; k, v: [slots, kvH, D] (one layer of the pool: slot = block * bs + offset); table: [B, nb] each
+// session's blocks (padded); ends: [B] one past each session's last position; out: [B, H, D].
+// Dh: the head size at compile time (0: at run time), so that the loops over it unroll.
+template <typename T, int Dh>
+void decode_attention_kernel(const T* q, const T* k, const T* v, const int64_t* table, const int64_t* ends, T* out,
+                             int64_t B, int64_t H, int64_t kvH, int64_t D_, int64_t nb, int64_t bs, int64_t window,
+                             float scale) {
+  const int64_t D = Dh ? Dh : D_;
+  const int64_t G = H / kvH;  // query heads per kv head
+  const int64_t row = kvH * D;  // one slot: every kv head's row, contiguous; a block is bs such slots
+  at::parallel_for(0, B, 1, [&](int64_t first, int64_t last) {
+    std::vector<float> scores, qf(H * D), acc(H * D);
+    for (int64_t b = first; b < last; ++b) {
+      const int64_t end = ends[b];
+      const int64_t begin = window > 0 ? std::max<int64_t>(0, end - window) : 0;
+      const int64_t n = end - begin;  // keys this session's query sees: positions [begin, end)
+      const int64_t* blocks = table + b * nb;
+      for (int64_t i = 0; i < H * D; ++i) qf[i] = static_cast<float>(q[b * H * D + i]) * scale;
+      scores.resize(H * n);  // [H, n]
+      for (int64_t j0 = begin; j0 < end;) {  // scores, a block at a time
+        const int64_t blk = j0 / bs, j1 = std::min(end, (blk + 1) * bs);
+        const T* kb = k + (blocks[blk] - blk) * bs * row;  // position j's slot is kb + j * row
+        for (int64_t j = j0; j < j1; ++j) {
+          for (int64_t h = 0; h < kvH; ++h) {
+            const T* __restrict__ r = kb + j * row + h * D;
+            for (int64_t g = 0; g < G; ++g) {
+              const float* __restrict__ qg = qf.data() + (h * G + g) * D;
+              float s = 0.f;
+#pragma omp simd reduction(+ : s)
+              for (int64_t d = 0; d < D; ++d) s += qg[d] * static_cast<float>(r[d]);
+              scores[(h * G + g) * n + j - begin] = s;
+            }
+          }
+        }
+        j0 = j1;
+      }
+      for (int64_t r = 0; r < H; ++r) {  // softmax of each query head's row
+        float* __restrict__ sr = scores.data() + r * n;
+        float m = sr[0];
+        for (int64_t i = 1; i < n; ++i) m = std::max(m, sr[i]);
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < n; ++i) {
+          sr[i] = exp_nonpositive(sr[i] - m);
+          sum += sr[i];
+        }
+        const float inv = 1.f / sum;
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) sr[i] *= inv;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t j0 = begin; j0 < end;) {  // the weighted sum of values, a block at a time
+        const int64_t blk = j0 / bs, j1 = std::min(end, (blk + 1) * bs);
+        const T* vb = v + (blocks[blk] - blk) * bs * row;
+        for (int64_t j = j0; j < j1; ++j) {
+          for (int64_t h = 0; h < kvH; ++h) {
+            const T* __restrict__ r = vb + j * row + h * D;
+            for (int64_t g = 0; g < G; ++g) {
+              const float p = scores[(h * G + g) * n + j - begin];
+              float* __restrict__ a = acc.data() + (h * G + g) * D;
+#pragma omp simd
+              for (int64_t d = 0; d < D; ++d) a[d] += p * static_cast<float>(r[d]);
+            }
+          }
+        }
+        j0 = j1;
+      }
+      for (int64_t i = 0; i < H * D; ++i) out[b * H * D + i] = static_cast<T>(acc[i]);
+    }
+  });
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& table,
+                            const at::Tensor& ends, int64_t block_size, int64_t window, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes(), "q must be [B, H, D], k and v [slots, kvH, D]");
+  TORCH_CHECK(q.size(2) == k.size(2) && q.size(1) % k.size(1) == 0, "q's heads must be a multiple of k's, D equal");
+  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous() && table.is_contiguous() &&
+              ends.is_contiguous(), "every tensor must be contiguous");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), "q, k and v: one dtype");
+  TORCH_CHECK(table.scalar_type() == at::kLong && ends.scalar_type() == at::kLong, "table and ends must be int64");
+  TORCH_CHECK(table.dim() == 2 && table.size(0) == q.size(0) && ends.numel() == q.size(0),
+              "table must be [B, nb] and ends [B]");
+  TORCH_CHECK(block_size >= 1 && k.size(0) % block_size == 0, "the pool's slots must be whole blocks");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), kvH = k.size(1), nb = table.size(1);
+  const int64_t* e = ends.data_ptr<int64_t>();
+  const int64_t* t = table.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {  // what the kernel will read must lie in the pool
+    TORCH_CHECK(e[b] >= 1 && e[b] <= nb * block_size, "session ", b, "'s end ", e[b], " is outside its block table");
+    for (int64_t i = 0; i < (e[b] + block_size - 1) / block_size; ++i)
+      TORCH_CHECK(t[b * nb + i] >= 0 && t[b * nb + i] < k.size(0) / block_size, "block ", t[b * nb + i],
+                  " is not in the pool");
+  }
+  auto out = at::empty_like(q);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention", [&] {
+    auto run = [&](auto dh) {
+      decode_attention_kernel<scalar_t, decltype(dh)::value>(
+          q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), table.data_ptr<int64_t>(),
+          ends.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), B, H, kvH, D, nb, block_size, window,
+          static_cast<float>(scale));
+    };
+    if (D == 32) run(std::integral_constant<int, 32>{});
+    else if (D == 64) run(std::integral_constant<int, 64>{});
+    else if (D == 128) run(std::integral_constant<int, 128>{});
+    else run(std::integral_constant<int, 0>{});
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(stagemesh, m) {
+  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor table, Tensor ends, int block_size, int window, "
+        "float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(stagemesh, CPU, m) { m.impl("decode_attention", &decode_attention); }
