@@ -107,6 +107,7 @@ class Chain:
     queued_steps: int = 0
     kv_free_bytes: int = 0
     step_ms: float = 0.0  # the slowest stage's median decode pass, as reported: the base of step timeouts
+    pass_ms: float = 0.0  # its stages' longest recent passes (prefill chunks included), summed, as reported
     max_batch_tokens: int = 0  # the smallest pass budget of its stages, as reported (0: not known yet)
     late_checks: int = 0  # health checks in a row that got no answer in time
     fingerprint: str = ""  # what its stages serve (published, then as they report it)
@@ -135,10 +136,12 @@ class Progress:
     """No answer is called late sooner than this."""
     per_token_steps: float = 4.0
     """On top of the floor: this many of the chain's reported decode passes per token in the step,
-    and per step queued ahead of it."""
+    and per step queued ahead of it, and as many of its stages' longest recent passes: a decode step that
+    lands behind another caller's prefill chunk waits that pass out, and rides in the next."""
 
     def timeout(self, chain: Chain, tokens: int) -> float:
-        return self.floor_s + self.per_token_steps * chain.step_ms / 1000 * (tokens + chain.queued_steps)
+        return self.floor_s + self.per_token_steps * (chain.step_ms * (tokens + chain.queued_steps)
+                                                      + chain.pass_ms) / 1000
 
 
 def stage_error(code: grpc.StatusCode, stage: StageEndpoint, details: str) -> grpc.aio.AioRpcError:

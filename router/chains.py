@@ -204,6 +204,7 @@ class ChainSet:
         chain.queued_steps = max(i.queued_steps for i in infos)
         chain.kv_free_bytes = min(i.kv_capacity_bytes - i.kv_used_bytes for i in infos)
         chain.step_ms = max(i.step_ms for i in infos)
+        chain.pass_ms = sum(i.pass_ms for i in infos)  # a step waits at every stage
         budget = min((i.max_batch_tokens for i in infos if i.max_batch_tokens), default=0)
         if budget != chain.max_batch_tokens:
             chain.max_batch_tokens = budget

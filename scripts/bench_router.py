@@ -88,9 +88,9 @@ class InstantStage(stage_pb2_grpc.StageServicer):
                 grpc_server.insecure_channel(route.next_address)).Relay(), asyncio.Lock())
         call, lock = link
         async with lock:  # one write at a time on a stream
-            await call.write(stage_pb2.ForwardRequest(session_id=request.session_id, start=request.start,
-                                                      hidden=HIDDEN, hop_key=route.next_key,
-                                                      skip_sample=request.skip_sample))
+            await call.write(stage_pb2.RelayBatch(steps=[stage_pb2.ForwardRequest(
+                session_id=request.session_id, start=request.start, hidden=HIDDEN, hop_key=route.next_key,
+                skip_sample=request.skip_sample)]))
 
     async def Forward(self, request_iterator, context):
         sent_at = None
@@ -154,13 +154,14 @@ class InstantStage(stage_pb2_grpc.StageServicer):
 
     async def Relay(self, request_iterator, context):
         running: set[asyncio.Task] = set()
-        async for request in request_iterator:
-            if self.step_s:  # the sessions on one link compute side by side
-                task = asyncio.get_running_loop().create_task(self._relayed(request))
-                running.add(task)
-                task.add_done_callback(running.discard)
-            else:
-                await self._relayed(request)
+        async for batch in request_iterator:
+            for request in batch.steps:
+                if self.step_s:  # the sessions on one link compute side by side
+                    task = asyncio.get_running_loop().create_task(self._relayed(request))
+                    running.add(task)
+                    task.add_done_callback(running.discard)
+                else:
+                    await self._relayed(request)
         if False:  # an async generator that answers nothing
             yield
 

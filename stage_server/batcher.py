@@ -103,6 +103,7 @@ class StepBatcher:
         # OpenMP thread team beside the compute thread's (StageServer.compute says what that costs).
         self.may_inline = model.device.type != "cpu" or torch.get_num_threads() == 1
         self.recent_decode_ms: deque[float] = deque(maxlen=64)
+        self.recent_pass_ms: deque[float] = deque(maxlen=64)  # every kind of pass
         self.batches_run = 0
         self.timing = StepTiming()  # where step time goes (stage_service times the wire side)
         self.running: list[StepRequest] = []  # the pass in flight
@@ -147,6 +148,12 @@ class StepBatcher:
     @property
     def step_ms(self) -> float:
         return statistics.median(self.recent_decode_ms) if self.recent_decode_ms else 0.0
+
+    @property
+    def pass_ms(self) -> float:
+        """The longest of the last 64 passes: how long a step may wait behind one (a prefill chunk's pass takes
+        many decode steps' time)."""
+        return max(self.recent_pass_ms, default=0.0)
 
     def _take_batch(self) -> list[StepRequest]:
         """Aged steps first (oldest first), then decode steps, then prefill chunks, within the budget."""
@@ -194,6 +201,7 @@ class StepBatcher:
                 took = time.perf_counter() - t0
                 metrics.PASS_SECONDS.labels(metrics.batch_label(len(batch))).observe(took)
                 metrics.PASS_TOKENS.observe(sum(r.length for r in batch))
+                self.recent_pass_ms.append(took * 1000)
                 if all(r.length == 1 for r in batch):
                     self.recent_decode_ms.append(took * 1000)
                 self.batches_run += 1

@@ -211,11 +211,12 @@ class StageService(stage_pb2_grpc.StageServicer):
         """A forwarding session's output, to its next stage (sent once per step, with the step's flags)."""
         t0 = time.perf_counter()
         route = session.route
-        onward = stage_pb2.ForwardRequest(session_id=session.session_id, start=request.start, hop_key=route.next_key,
-                                          skip_sample=request.skip_sample, return_logits=request.return_logits)
-        tensor_codec.encode_hidden_into(onward.hidden, result.hidden, request.wire_dtype or route.wire_dtype)
+        hidden = result.hidden
+        onward = self.links.step(route.next_address, session.session_id, hidden.numel() * hidden.element_size())
+        onward.start, onward.hop_key = request.start, route.next_key
+        onward.skip_sample, onward.return_logits = request.skip_sample, request.return_logits
+        tensor_codec.encode_hidden_into(onward.hidden, hidden, request.wire_dtype or route.wire_dtype)
         self.batcher.timing.since("encode", t0, decode)
-        self.links.send(route.next_address, onward)
 
     async def Sessions(self, request_iterator, context, admit=None):  # stage_server/session_stream.py
         async for events in serve(self, request_iterator, context, ERROR_CODES, admit):
@@ -225,29 +226,12 @@ class StageService(stage_pb2_grpc.StageServicer):
         carried: set[str] = set()
         running: set[asyncio.Task] = set()
         try:
-            async for request in request_iterator:
-                _WIRE_IN.inc(request.ByteSize())
-                try:
-                    session = self.sessions.relayed(request.session_id, request.hop_key)
-                except UnknownSession as exc:
-                    yield stage_pb2.RelayStatus(session_id=request.session_id, code=grpc.StatusCode.NOT_FOUND.value[0],
-                                                details=str(exc))
-                    continue
-                carried.add(session.session_id)
-                t0 = time.perf_counter()
-                try:
-                    inputs = self._inputs(request)
-                except (StatusError, tensor_codec.CodecError) as exc:  # ill-formed: that session's step is lost
-                    status = exc if isinstance(exc, StatusError) else StatusError(
-                        grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-                    self._fail(session.session_id, status)
-                    yield stage_pb2.RelayStatus(session_id=request.session_id, code=status.code.value[0],
-                                                details=status.message)
-                    continue
-                task = asyncio.get_running_loop().create_task(
-                    self._relayed_step(session, request, inputs, time.perf_counter() - t0))
-                running.add(task)
-                task.add_done_callback(running.discard)
+            async for batch in request_iterator:
+                _WIRE_IN.inc(batch.ByteSize())
+                for request in batch.steps:
+                    status = self._relayed(request, carried, running)
+                    if status is not None:
+                        yield status
                 if len(carried) > 2 * len(self.sessions) + 64:
                     carried = {s for s in carried if s in self.sessions.sessions}
         finally:
@@ -259,6 +243,29 @@ class StageService(stage_pb2_grpc.StageServicer):
                 self._fail(sid, StatusError(grpc.StatusCode.UNAVAILABLE,
                                             f"the link from the previous stage {previous} ended (it stopped, or the "
                                             "link broke)"), link=True)
+
+    def _relayed(self, request: stage_pb2.ForwardRequest, carried: set[str],
+                 running: set[asyncio.Task]) -> stage_pb2.RelayStatus | None:
+        """One step of a Relay message, checked and started on a task of its own; a step refused is answered."""
+        try:
+            session = self.sessions.relayed(request.session_id, request.hop_key)
+        except UnknownSession as exc:
+            return stage_pb2.RelayStatus(session_id=request.session_id, code=grpc.StatusCode.NOT_FOUND.value[0],
+                                         details=str(exc))
+        carried.add(session.session_id)
+        t0 = time.perf_counter()
+        try:
+            inputs = self._inputs(request)
+        except (StatusError, tensor_codec.CodecError) as exc:  # ill-formed: that session's step is lost
+            status = exc if isinstance(exc, StatusError) else StatusError(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            self._fail(session.session_id, status)
+            return stage_pb2.RelayStatus(session_id=request.session_id, code=status.code.value[0],
+                                         details=status.message)
+        task = asyncio.get_running_loop().create_task(
+            self._relayed_step(session, request, inputs, time.perf_counter() - t0))
+        running.add(task)
+        task.add_done_callback(running.discard)
+        return None
 
     async def _relayed_step(self, session: Session, request: stage_pb2.ForwardRequest, inputs: torch.Tensor,
                             decode_s: float) -> None:
@@ -386,6 +393,7 @@ class StageService(stage_pb2_grpc.StageServicer):
             kv_preemptions=self.sessions.pool.preemptions,
             queued_steps=self.batcher.queued,
             step_ms=self.batcher.step_ms,
+            pass_ms=self.batcher.pass_ms,
             load_s=model.load_s,
             max_batch_tokens=self.batcher.config.max_batch_tokens,
             fingerprint=self.fingerprint,

@@ -112,7 +112,7 @@ async def test_an_outsider_cannot_step_follow_or_close_a_forwarded_session(tiny_
             # On Relay, the session id without its hop key (or with another session's) is an unknown session.
             for key in ("", "0" * 32, session.hop_keys[1][::-1]):
                 relayed = stage_pb2.ForwardRequest(session_id=sid, start=len(ids), hidden=hidden, hop_key=key)
-                statuses = [s async for s in outsider.Relay(iter([relayed]), timeout=10)]
+                statuses = [s async for s in outsider.Relay(iter([stage_pb2.RelayBatch(steps=[relayed])]), timeout=10)]
                 assert [s.code for s in statuses] == [grpc.StatusCode.NOT_FOUND.value[0]]
             # The owner's stream was not disturbed.
             for _ in range(5):
@@ -129,12 +129,13 @@ async def test_an_ill_formed_relay_message_gets_a_clear_status_and_costs_only_it
             tokens = [(await bystander.step(ids, sampling=Sampling())).token_id]
             await victim.step(ids, sampling=Sampling())
             # A faulty upstream (it holds the victim's hop key): hidden states of the wrong width, then an
-            # unknown session, on one Relay stream; each is answered and the stream goes on.
+            # unknown session, in one Relay message; each is answered and the stream goes on.
             bad = [stage_pb2.ForwardRequest(session_id=victim.session_id, start=len(ids) + 1,
                                             hidden=tensor_codec.encode(torch.zeros(1, 3)),
                                             hop_key=victim.hop_keys[1]),
                    stage_pb2.ForwardRequest(session_id="no-such-session", start=0)]
-            statuses = [s async for s in mesh.stage_stub(0, 1).Relay(iter(bad), timeout=10)]
+            relayed = mesh.stage_stub(0, 1).Relay(iter([stage_pb2.RelayBatch(steps=bad)]), timeout=10)
+            statuses = [s async for s in relayed]
             assert [(s.session_id, s.code) for s in statuses] == [
                 (victim.session_id, grpc.StatusCode.INVALID_ARGUMENT.value[0]),
                 ("no-such-session", grpc.StatusCode.NOT_FOUND.value[0])]

@@ -11,12 +11,13 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from router.chain_client import ChainSession, Progress, Sampling
 from router.generation import Backoff, GenerationConfig
 from router.server import RouterConfig, RouterServer
 from stage_server.batcher import BatcherConfig
 from stage_server.kv_pool import PoolExhausted
 from stage_server.sessions import UnknownSession
-from stagemesh import grpc_server
+from stagemesh import grpc_server, metrics
 from stagemesh.errors import StatusError
 from stagemesh.link_proxy import LinkProxy
 from stagemesh.v1 import router_pb2, router_pb2_grpc, stage_pb2
@@ -238,6 +239,7 @@ async def test_stage_info_reports_its_progress_inputs(tiny_model):
         await collect(mesh.router_stub.Generate(request([5, 6, 7], 5), timeout=30))
         info = await mesh.stage_stub(0, 0).Info(stage_pb2.InfoRequest())
         assert info.step_ms > 0
+        assert info.pass_ms >= info.step_ms  # the prompt's pass, the longest
     finally:
         await mesh.stop()
 
@@ -258,5 +260,46 @@ async def test_a_long_prompt_is_not_starved_by_decodes_whatever_the_chunk_settin
         assert results[0][0] == hf_greedy(hf_models["llama"], long_ids, 6)
         info = await mesh.stage_stub(0, 0).Info(stage_pb2.InfoRequest())
         assert info.max_batch_tokens == 64
+    finally:
+        await mesh.stop()
+
+
+async def test_a_step_behind_another_callers_long_prefill_is_slow_not_hung(tiny_model, hf_models, monkeypatch):
+    """A prefill chunk's pass takes many decode steps' time (here made 1 s, on a 0.3 s progress floor). A stream
+    whose step waits one out, and rides in the next, is slow, not hung: the router counts its stages' longest
+    recent passes into the progress timeout, and the stream goes on, exact, on its chain (before, every stream
+    behind 32 callers' prompts on a ~270M chain was timed out, and the chain taken down)."""
+    mesh = await start_mesh(tiny_model, [splits(4, 4)],
+                            router_options={"generation": GenerationConfig(step_timeout_s=0.3)})
+    try:
+        model = mesh.stages[0][0].batcher.model
+        forward = model.forward
+
+        def slow_prefill(inputs, steps):
+            if inputs.shape[0] > 32:
+                time.sleep(1.0)
+            return forward(inputs, steps)
+
+        monkeypatch.setattr(model, "forward", slow_prefill)
+        stub, chain = mesh.router_stub, mesh.router.chains.chains[0]
+        # One long prompt first, straight to the chain's stages (no router's timeout on it): its pass is seen.
+        async with ChainSession(chain, 256, "first-long-prompt", progress=Progress(floor_s=60.0)) as session:
+            await session.step(prompt(200, seed=90), sampling=Sampling())
+        for _ in range(100):
+            if chain.pass_ms >= 1000:
+                break
+            await asyncio.sleep(0.1)
+        assert chain.pass_ms >= 1000
+        timeouts = metrics.STEP_TIMEOUTS._value.get()
+        ids, got, others = prompt(8, seed=91), [], []
+        async for r in stub.Generate(request(ids, 30), timeout=120):
+            got.extend(r.token_ids)
+            if len(got) == 3:  # two callers' long prompts land in the stream's way
+                others = [asyncio.create_task(collect(stub.Generate(request(prompt(200, seed=92 + i), 2),
+                                                                    timeout=120))) for i in range(2)]
+        await asyncio.gather(*others)
+        assert got == hf_greedy(hf_models["llama"], ids, 30)
+        assert metrics.STEP_TIMEOUTS._value.get() == timeouts
+        assert chain.healthy
     finally:
         await mesh.stop()

@@ -71,7 +71,7 @@ class StageStub:
                 _registered_method=True)
         self.Relay = channel.stream_stream(
                 '/stagemesh.v1.Stage/Relay',
-                request_serializer=stagemesh_dot_v1_dot_stage__pb2.ForwardRequest.SerializeToString,
+                request_serializer=stagemesh_dot_v1_dot_stage__pb2.RelayBatch.SerializeToString,
                 response_deserializer=stagemesh_dot_v1_dot_stage__pb2.RelayStatus.FromString,
                 _registered_method=True)
         self.Sessions = channel.stream_stream(
@@ -145,7 +145,7 @@ class StageServicer:
     def Relay(self, request_iterator, context):
         """Forwarding between stages: the previous stage sends the steps of the sessions it forwards here
         (hidden states, each with its hop_key), and one stream carries every session between two
-        neighbours. Nothing is answered for a step that is taken: its result goes on to this stage's next
+        neighbours, each message the steps it had queued (a pass's outputs travel as one message). Nothing is answered for a step that is taken: its result goes on to this stage's next
         stage, or (last stage) to the router's Forward stream that follows the session. A message refused
         (unknown session or wrong key: NOT_FOUND; ill-formed: INVALID_ARGUMENT) is answered with a
         RelayStatus and the stream goes on, so one bad message never costs another session. When the
@@ -208,7 +208,7 @@ def add_StageServicer_to_server(servicer, server):
             ),
             'Relay': grpc.stream_stream_rpc_method_handler(
                     servicer.Relay,
-                    request_deserializer=stagemesh_dot_v1_dot_stage__pb2.ForwardRequest.FromString,
+                    request_deserializer=stagemesh_dot_v1_dot_stage__pb2.RelayBatch.FromString,
                     response_serializer=stagemesh_dot_v1_dot_stage__pb2.RelayStatus.SerializeToString,
             ),
             'Sessions': grpc.stream_stream_rpc_method_handler(
@@ -353,7 +353,7 @@ class Stage:
             request_iterator,
             target,
             '/stagemesh.v1.Stage/Relay',
-            stagemesh_dot_v1_dot_stage__pb2.ForwardRequest.SerializeToString,
+            stagemesh_dot_v1_dot_stage__pb2.RelayBatch.SerializeToString,
             stagemesh_dot_v1_dot_stage__pb2.RelayStatus.FromString,
             options,
             channel_credentials,
