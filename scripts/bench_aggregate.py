@@ -1,0 +1,130 @@
+"""Aggregate tokens/s of one tree's mesh against another's, side by side in one run: the mixed streams of
+bench.py (the same prompts, SEED 1234), no transformers column (bench.py has it), so that a before/after pair
+costs minutes, not bench.py's hour on the ~270M model.
+
+    python scripts/bench_aggregate.py --code /tmp/before --code .            # tiny Llama, 2 stages, 32 and 64
+    python scripts/bench_aggregate.py --medium --levels 32 --repeats 1 --code /tmp/before --code .
+
+Each --code DIR is a checkout whose stage and router processes run (`python -m stagemesh.cli` from DIR, started
+by that tree's own launcher); the trees take turns, --rounds times, each round a fresh mesh. --stage-arg and
+--router-arg go to every tree's processes. Prints tokens/s per level, the median over every run, and each
+tree's ratio to the first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SEED = 1234
+FIRST_ORDINARY_ID = 4
+
+
+def workload(vocab_size: int, max_position: int, n: int) -> list[tuple[list[int], int]]:
+    """bench.py's mixed streams (make_workload): prompts 16..512 tokens, outputs 16..256, the same draws."""
+    rng = random.Random(f"{SEED}-streams")
+    streams = []
+    for _ in range(n):
+        n_out = rng.randint(16, 256)
+        n_prompt = min(rng.randint(16, 512), max_position - n_out)
+        streams.append(([rng.randrange(FIRST_ORDINARY_ID, vocab_size) for _ in range(n_prompt)], n_out))
+    return streams
+
+
+def worker(a: argparse.Namespace) -> None:
+    """In the tree under test (cwd and sys.path): one mesh, every level --repeats times; JSON on the last line."""
+    sys.path.insert(0, os.getcwd())
+    import grpc
+    from transformers import AutoConfig
+
+    from stagemesh.launcher import start_local_mesh
+    from stagemesh.v1 import router_pb2, router_pb2_grpc
+
+    config = AutoConfig.from_pretrained(a.model, local_files_only=True)
+    streams = workload(config.vocab_size, config.max_position_embeddings, max(a.levels))
+    mesh, router = start_local_mesh(a.model, stages=a.stages, router_port=0, extra_stage_args=a.stage_arg or None,
+                                    extra_router_args=a.router_arg or None)
+
+    async def one(stub, ids: list[int], max_new: int) -> int:
+        tokens = 0
+        async for response in stub.Generate(router_pb2.GenerateRequest(token_ids=ids, max_new_tokens=max_new)):
+            tokens += len(response.token_ids)
+        return tokens
+
+    async def run() -> dict[str, list[float]]:
+        async with grpc.aio.insecure_channel(router.address) as channel:
+            stub = router_pb2_grpc.RouterStub(channel)
+            for _ in range(120):  # until the router has its chain (bounded)
+                try:
+                    await one(stub, streams[0][0][:32], 4)
+                    break
+                except grpc.aio.AioRpcError:
+                    await asyncio.sleep(1)
+            out = {}
+            for level in a.levels:
+                out[str(level)] = []
+                for _ in range(a.repeats):
+                    t0 = time.perf_counter()
+                    tokens = await asyncio.gather(*(one(stub, ids, n) for ids, n in streams[:level]))
+                    out[str(level)].append(sum(tokens) / (time.perf_counter() - t0))
+            return out
+
+    try:
+        print(json.dumps(asyncio.run(run())))
+    finally:
+        mesh.stop()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=str(ROOT / "models" / "tiny-llama"))
+    p.add_argument("--medium", action="store_true", help="the ~270M Llama of bench.py --medium (models/llama-270m)")
+    p.add_argument("--stages", type=int, default=2)
+    p.add_argument("--levels", type=lambda s: [int(x) for x in s.split(",")], default=[32, 64])
+    p.add_argument("--repeats", type=int, default=3, help="runs of each level per mesh")
+    p.add_argument("--rounds", type=int, default=1, help="times each tree gets a fresh mesh, in turns")
+    p.add_argument("--code", action="append", type=Path, default=[], help="a checkout to measure (repeatable)")
+    p.add_argument("--stage-arg", action="append", default=[], metavar="FLAG", help="e.g. --stage-arg=--compile")
+    p.add_argument("--router-arg", action="append", default=[], metavar="FLAG",
+                   help="e.g. --router-arg=--slots-per-chain=64")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.medium:
+        a.model = str(ROOT / "models" / "llama-270m")
+    if a.worker:
+        return worker(a)
+    if not Path(a.model).exists():
+        sys.exit(f"no model at {a.model}: make it with scripts/make_tiny_model.py (bench.py --medium makes the ~270M)")
+    trees = [c.resolve() for c in a.code] or [ROOT]
+    runs: list[dict[str, list[float]]] = [{} for _ in trees]
+    flags = [f"--stage-arg={x}" for x in a.stage_arg] + [f"--router-arg={x}" for x in a.router_arg]
+    for _ in range(a.rounds):
+        for i, tree in enumerate(trees):
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--model", a.model, "--stages",
+                   str(a.stages), "--levels", ",".join(map(str, a.levels)), "--repeats", str(a.repeats), *flags]
+            proc = subprocess.run(cmd, cwd=tree, capture_output=True, text=True)
+            if proc.returncode:
+                sys.exit(f"{tree}: the mesh run failed:\n{proc.stderr[-3000:]}")
+            for level, values in json.loads(proc.stdout.strip().splitlines()[-1]).items():
+                runs[i].setdefault(level, []).extend(values)
+            print(f"  {tree}: {json.dumps(runs[i])}", flush=True)
+    print(f"aggregate tokens/s, {a.stages}-stage chain of {Path(a.model).name}, bench.py's mixed streams, "
+          f"{a.rounds} round(s) x {a.repeats} run(s): median [runs], x the first tree")
+    base = {level: statistics.median(v) for level, v in runs[0].items()}
+    for tree, tree_runs in zip(trees, runs, strict=True):
+        cells = [f"{level} streams {statistics.median(v):.1f} [{', '.join(f'{x:.0f}' for x in v)}] "
+                 f"{statistics.median(v) / base[level]:.2f}x" for level, v in tree_runs.items()]
+        print(f"  {tree}\n    " + "   ".join(cells))
+
+
+if __name__ == "__main__":
+    main()
