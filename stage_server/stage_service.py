@@ -228,10 +228,28 @@ class StageService(stage_pb2_grpc.StageServicer):
         try:
             async for batch in request_iterator:
                 _WIRE_IN.inc(batch.ByteSize())
-                for request in batch.steps:
-                    status = self._relayed(request, carried, running)
-                    if status is not None:
-                        yield status
+                for request in batch.steps:  # each checked and started on a task of its own; one refused is answered
+                    try:
+                        session = self.sessions.relayed(request.session_id, request.hop_key)
+                    except UnknownSession as exc:
+                        yield stage_pb2.RelayStatus(session_id=request.session_id,
+                                                    code=grpc.StatusCode.NOT_FOUND.value[0], details=str(exc))
+                        continue
+                    carried.add(session.session_id)
+                    t0 = time.perf_counter()
+                    try:
+                        inputs = self._inputs(request)
+                    except (StatusError, tensor_codec.CodecError) as exc:  # ill-formed: that session's step is lost
+                        status = exc if isinstance(exc, StatusError) else StatusError(
+                            grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                        self._fail(session.session_id, status)
+                        yield stage_pb2.RelayStatus(session_id=request.session_id, code=status.code.value[0],
+                                                    details=status.message)
+                        continue
+                    task = asyncio.get_running_loop().create_task(
+                        self._relayed_step(session, request, inputs, time.perf_counter() - t0))
+                    running.add(task)
+                    task.add_done_callback(running.discard)
                 if len(carried) > 2 * len(self.sessions) + 64:
                     carried = {s for s in carried if s in self.sessions.sessions}
         finally:
@@ -243,29 +261,6 @@ class StageService(stage_pb2_grpc.StageServicer):
                 self._fail(sid, StatusError(grpc.StatusCode.UNAVAILABLE,
                                             f"the link from the previous stage {previous} ended (it stopped, or the "
                                             "link broke)"), link=True)
-
-    def _relayed(self, request: stage_pb2.ForwardRequest, carried: set[str],
-                 running: set[asyncio.Task]) -> stage_pb2.RelayStatus | None:
-        """One step of a Relay message, checked and started on a task of its own; a step refused is answered."""
-        try:
-            session = self.sessions.relayed(request.session_id, request.hop_key)
-        except UnknownSession as exc:
-            return stage_pb2.RelayStatus(session_id=request.session_id, code=grpc.StatusCode.NOT_FOUND.value[0],
-                                         details=str(exc))
-        carried.add(session.session_id)
-        t0 = time.perf_counter()
-        try:
-            inputs = self._inputs(request)
-        except (StatusError, tensor_codec.CodecError) as exc:  # ill-formed: that session's step is lost
-            status = exc if isinstance(exc, StatusError) else StatusError(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            self._fail(session.session_id, status)
-            return stage_pb2.RelayStatus(session_id=request.session_id, code=status.code.value[0],
-                                         details=status.message)
-        task = asyncio.get_running_loop().create_task(
-            self._relayed_step(session, request, inputs, time.perf_counter() - t0))
-        running.add(task)
-        task.add_done_callback(running.discard)
-        return None
 
     async def _relayed_step(self, session: Session, request: stage_pb2.ForwardRequest, inputs: torch.Tensor,
                             decode_s: float) -> None:
