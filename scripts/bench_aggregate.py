@@ -17,27 +17,15 @@ import argparse
 import asyncio
 import json
 import os
-import random
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from bench import Plan, make_workload  # scripts/bench.py, beside this file: its mixed streams, the same draws
+
 ROOT = Path(__file__).resolve().parent.parent
-SEED = 1234
-FIRST_ORDINARY_ID = 4
-
-
-def workload(vocab_size: int, max_position: int, n: int) -> list[tuple[list[int], int]]:
-    """bench.py's mixed streams (make_workload): prompts 16..512 tokens, outputs 16..256, the same draws."""
-    rng = random.Random(f"{SEED}-streams")
-    streams = []
-    for _ in range(n):
-        n_out = rng.randint(16, 256)
-        n_prompt = min(rng.randint(16, 512), max_position - n_out)
-        streams.append(([rng.randrange(FIRST_ORDINARY_ID, vocab_size) for _ in range(n_prompt)], n_out))
-    return streams
 
 
 def worker(a: argparse.Namespace) -> None:
@@ -50,7 +38,8 @@ def worker(a: argparse.Namespace) -> None:
     from stagemesh.v1 import router_pb2, router_pb2_grpc
 
     config = AutoConfig.from_pretrained(a.model, local_files_only=True)
-    streams = workload(config.vocab_size, config.max_position_embeddings, max(a.levels))
+    plan = Plan(stages=[a.stages], replicas=[1], levels=a.levels, repeats=1, concurrency_repeats=a.repeats)
+    streams = make_workload(plan, config.vocab_size, config.max_position_embeddings).streams
     mesh, router = start_local_mesh(a.model, stages=a.stages, router_port=0, extra_stage_args=a.stage_arg or None,
                                     extra_router_args=a.router_arg or None)
 
