@@ -80,8 +80,8 @@ class Plan:
 
 def make_plan(args: argparse.Namespace) -> Plan:
     if args.quick:
-        plan = Plan(stages=[1, 2], replicas=[1], levels=[1, 4], repeats=3, concurrency_repeats=2,
-                    gemv_gib=1.0, gemv_runs=7)
+        plan = Plan(stages=[1, 2], replicas=[1], levels=[1, 4], repeats=2, concurrency_repeats=2, decode_tokens=32,
+                    ttft_lengths=(32, 256), prompt_range=(16, 128), output_range=(8, 48), gemv_gib=0.5, gemv_runs=5)
     elif args.medium:  # ~22 minutes on 2 cores (transformers alone ~12: 32 padded streams twice); widen below
         plan = Plan(stages=[1, 2], replicas=[1], levels=[1, 32], repeats=3, concurrency_repeats=2)
     else:

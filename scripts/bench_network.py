@@ -60,11 +60,10 @@ def measure_chain(model: str, layers: int, stages: int, delays_ms: list[float], 
     mesh = LocalMesh(model, log_dir)
     proxies: list[LinkProxy] = []
     try:
-        ports = []
-        for i, (a, b) in enumerate(even_split(layers, stages)):
-            proc = mesh.spawn(f"n{stages}-stage{i}", ["stage", "--model", model, "--layers", f"{a}:{b}", "--port", "0",
-                                                       "--threads", "1", "--kv-cache-gb", "0.05"], stage_env(1))
-            ports.append(int(proc.address.rpartition(":")[2]))
+        common = ["stage", "--model", model, "--port", "0", "--threads", "1", "--kv-cache-gb", "0.05"]
+        started = mesh.spawn_together([(f"n{stages}-stage{i}", [*common, "--layers", f"{a}:{b}"])
+                                       for i, (a, b) in enumerate(even_split(layers, stages))], stage_env(1))
+        ports = [int(proc.address.rpartition(":")[2]) for proc in started]
         proxies = [LinkProxy(f"127.0.0.1:{port}").start() for port in ports]
         spec = ",".join(p.address for p in proxies)
         routers = {}

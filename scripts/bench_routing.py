@@ -122,10 +122,7 @@ def start_mesh(model: str, args: argparse.Namespace, log_dir: Path) -> tuple[Loc
                                   "--devices", str(args.tp)]))
     else:
         specs += [("wide-0", [*common, "--layers", "0:4"]), ("wide-1", [*common, "--layers", "4:8"])]
-    procs = [mesh.launch(name, a, env) for name, a in specs]
-    mesh.processes.extend(procs)
-    for p in procs:
-        mesh.wait_ready(p)
+    mesh.spawn_together(specs, env)
     routers, metrics_ports = {}, {}
     for i, (mode, threshold) in enumerate((("rule", args.long_prompt_tokens), ("no rule", 0))):
         metrics_ports[mode] = args.metrics_port + i if args.metrics_port else free_port()

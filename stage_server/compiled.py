@@ -25,7 +25,6 @@ import logging
 
 import torch
 import torch.compiler
-from torch._inductor.compile_fx import compile_fx
 
 from stage_server.decode_graph import decode_pass_fn
 from stage_server.kv_pool import NULL_BLOCK, KVPool
@@ -45,6 +44,9 @@ class CompiledDecode:
         self._rope_marked: torch.Tensor | None = None
 
     def _compiler(self, gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        # Imported here, not at the top: inductor (with dynamo) is ~2.5 s of a stage's start, paid only with --compile.
+        from torch._inductor.compile_fx import compile_fx
+
         self.graphs += 1
         return compile_fx(gm, example_inputs)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import grpc
 
-from stagemesh.launcher import LocalMesh, Process, even_split, stage_env
+from stagemesh.launcher import LocalMesh, even_split, stage_env
 from stagemesh.link_proxy import LinkProxy
 from stagemesh.v1 import stage_pb2, stage_pb2_grpc
 
@@ -37,25 +37,27 @@ class FaultMesh:
         self.ports = [free_port() for _ in self.layers]
         self.links: list[LinkProxy] = []
         try:
-            self.stages = [self._spawn_stage(i) for i in range(len(self.layers))]
+            # The proxies listen first and the router starts with the stages: it health-checks its chains until
+            # their stages serve, so the mesh is up in about the time of its slowest process.
             self.links = [LinkProxy(f"127.0.0.1:{port}").start() for port in self.ports]
             specs = [",".join(link.address for link in self.links[c:c + stages])
                      for c in range(0, len(self.links), stages)]
-            self.router = self.mesh.spawn("router", [
-                "router", "--model", self.model, "--port", "0", *router_args,
-                *[a for spec in specs for a in ("--chain", spec)]], stage_env(1))
+            *self.stages, self.router = self.mesh.spawn_together(
+                [*(self._stage_spec(i) for i in range(len(self.layers))),
+                 ("router", ["router", "--model", self.model, "--port", "0", *router_args,
+                             *[a for spec in specs for a in ("--chain", spec)]])], stage_env(1))
         except BaseException:
             self.stop()
             raise
 
-    def _spawn_stage(self, i: int) -> Process:
+    def _stage_spec(self, i: int) -> tuple[str, list[str]]:
         a, b = self.layers[i]
-        return self.mesh.spawn(f"stage{i}", ["stage", "--model", self.model, "--layers", f"{a}:{b}", "--port",
-                                             str(self.ports[i]), "--threads", "1", *self.stage_args], stage_env(1))
+        return f"stage{i}", ["stage", "--model", self.model, "--layers", f"{a}:{b}", "--port", str(self.ports[i]),
+                             "--threads", "1", *self.stage_args]
 
     def restart_stage(self, i: int) -> None:
         """A stage that was killed comes back on its port (the router finds it again by health checks)."""
-        self.stages[i] = self._spawn_stage(i)
+        self.stages[i] = self.mesh.spawn(*self._stage_spec(i), stage_env(1))
 
     def alive(self) -> list[bool]:
         return [p.popen.poll() is None for p in (*self.stages, self.router)]

@@ -175,16 +175,16 @@ def start_local_mesh(model: str, *, stages: int, replicas: int = 1, router_port:
                 mesh.spawn("scheduler", ["scheduler", "--model", model, "--registry", url, *sizing], env)
             budget = f"{stage_budget_gb(model, stages, dtype, quantize=quantize):.6f}"
             # The stages and the router start side by side: they find each other through the registry.
-            *_, router = _start_together(mesh, [
+            *_, router = mesh.spawn_together([
                 *((f"stage-{i}", [*stage_args, "--registry", url, "--memory-gb", budget])
                   for i in range(stages * replicas)),
                 ("router", [*router_args, "--registry", url])], env, ready_timeout_s)
             mesh.registry_url = url
         else:
             ranges = even_split(num_layers, stages)
-            started = _start_together(mesh, [(f"stage-r{r}-s{i}", [*stage_args, "--layers", f"{a}:{b}"])
-                                             for r in range(replicas) for i, (a, b) in enumerate(ranges)],
-                                      env, ready_timeout_s)
+            started = mesh.spawn_together([(f"stage-r{r}-s{i}", [*stage_args, "--layers", f"{a}:{b}"])
+                                           for r in range(replicas) for i, (a, b) in enumerate(ranges)],
+                                          env, ready_timeout_s)
             for r in range(replicas):
                 router_args += ["--chain", ",".join(p.address for p in started[r * stages:(r + 1) * stages])]
             router = mesh.spawn("router", router_args, env)
@@ -192,14 +192,6 @@ def start_local_mesh(model: str, *, stages: int, replicas: int = 1, router_port:
         mesh.stop()
         raise
     return mesh, router
-
-
-def _start_together(mesh: LocalMesh, specs: list[tuple[str, list[str]]], env: dict[str, str],
-                    timeout: float = 120.0) -> list[Process]:
-    """Starts every (name, args) at once (the imports of torch overlap) and waits until all are ready."""
-    procs = [mesh.launch(name, args, env) for name, args in specs]
-    mesh.processes.extend(procs)
-    return [mesh.wait_ready(p, timeout) for p in procs]
 
 
 def wait_for_chains(router_address: str, count: int, timeout: float = 120.0, tls: str | None = None) -> list:

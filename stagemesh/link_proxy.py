@@ -103,7 +103,10 @@ class LinkProxy:
             return
         self.connections += 1
         self._writers.update((writer, up_writer))
-        await asyncio.gather(self._pipe(reader, up_writer, inbound=True), self._pipe(up_reader, writer))
+        try:
+            await asyncio.gather(self._pipe(reader, up_writer, inbound=True), self._pipe(up_reader, writer))
+        except asyncio.CancelledError:
+            pass  # stop(): asyncio's stream callback would report the cancelled handler as an unhandled error
 
     async def _pipe(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, inbound: bool = False) -> None:
         """Forwards one direction, each chunk released at (arrival + delay), in order."""

@@ -36,8 +36,8 @@ async def test_killed_rank_takes_its_stage_down_and_streams_fail_over(tiny_model
     try:
         common = ["stage", "--model", str(tiny_model), "--layers", "0:8", "--port", "0", "--threads", "1",
                   "--kv-cache-gb", "0.05", "--drain-timeout-s", "1"]
-        tp_stage = mesh.spawn("stage-tp", [*common, "--tp", "2"], stage_env(1))
-        plain = mesh.spawn("stage-plain", common, stage_env(1))
+        tp_stage, plain = mesh.spawn_together([("stage-tp", [*common, "--tp", "2"]), ("stage-plain", common)],
+                                              stage_env(1))
         ranks = [c.pid for c in psutil.Process(tp_stage.pid).children()]
         assert len(ranks) == 1
         router = mesh.spawn("router", ["router", "--model", str(tiny_model), "--port", "0", "--health-interval-s",
