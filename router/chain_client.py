@@ -135,13 +135,16 @@ class Progress:
     floor_s: float = 10.0
     """No answer is called late sooner than this."""
     per_token_steps: float = 4.0
-    """On top of the floor: this many of the chain's reported decode passes per token in the step,
-    and per step queued ahead of it, and as many of its stages' longest recent passes: a decode step that
-    lands behind another caller's prefill chunk waits that pass out, and rides in the next."""
+    """On top of the floor: this many of the chain's reported decode passes per token in the step, and per step
+    queued ahead of it."""
+    passes: float = 2.0
+    """And this many of the longest pass its stages report (StageInfo.pass_ms: the longest lately, or a full one
+    as their warm-up timed it): a decode step that lands behind another caller's prefill chunk waits that pass
+    out, and rides in the next."""
 
     def timeout(self, chain: Chain, tokens: int) -> float:
-        return self.floor_s + self.per_token_steps * (chain.step_ms * (tokens + chain.queued_steps)
-                                                      + chain.pass_ms) / 1000
+        return (self.floor_s + self.per_token_steps * chain.step_ms * (tokens + chain.queued_steps) / 1000
+                + self.passes * chain.pass_ms / 1000)
 
 
 def stage_error(code: grpc.StatusCode, stage: StageEndpoint, details: str) -> grpc.aio.AioRpcError:

@@ -91,7 +91,8 @@ class BatcherConfig:
 
 
 class StepBatcher:
-    def __init__(self, model: StageModel, config: BatcherConfig, executor: ThreadPoolExecutor):
+    def __init__(self, model: StageModel, config: BatcherConfig, executor: ThreadPoolExecutor,
+                 warm_step_ms: float = 0.0, full_pass_ms: float = 0.0):
         """executor: the stage's one compute thread (StageServer.compute)."""
         self.model = model
         self.device = model.device
@@ -104,6 +105,7 @@ class StepBatcher:
         self.may_inline = model.device.type != "cpu" or torch.get_num_threads() == 1
         self.recent_decode_ms: deque[float] = deque(maxlen=64)
         self.recent_pass_ms: deque[float] = deque(maxlen=64)  # every kind of pass
+        self.warm_step_ms, self.full_pass_ms = warm_step_ms, full_pass_ms
         self.batches_run = 0
         self.timing = StepTiming()  # where step time goes (stage_service times the wire side)
         self.running: list[StepRequest] = []  # the pass in flight
@@ -147,13 +149,15 @@ class StepBatcher:
 
     @property
     def step_ms(self) -> float:
-        return statistics.median(self.recent_decode_ms) if self.recent_decode_ms else 0.0
+        """The median of the last 64 decode passes (before any: the warm-up's)."""
+        return statistics.median(self.recent_decode_ms) if self.recent_decode_ms else self.warm_step_ms
 
     @property
     def pass_ms(self) -> float:
-        """The longest of the last 64 passes: how long a step may wait behind one (a prefill chunk's pass takes
-        many decode steps' time)."""
-        return max(self.recent_pass_ms, default=0.0)
+        """How long a step may wait behind one pass (a prefill chunk's takes many decode steps' time): the
+        longest of the last 64, or the warm-up's estimate of a full one (--max-batch-tokens) if that is longer,
+        so that a fresh stage's first long pass is expected too."""
+        return max(max(self.recent_pass_ms, default=0.0), self.full_pass_ms)
 
     def _take_batch(self) -> list[StepRequest]:
         """Aged steps first (oldest first), then decode steps, then prefill chunks, within the budget."""

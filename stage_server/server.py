@@ -8,6 +8,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TypeVar
 
 import grpc
@@ -19,7 +20,7 @@ from stage_server import paged_attention
 from stage_server.batcher import StepBatcher
 from stage_server.compiled import compile_stage, compiled_graphs, is_compiled, warm_up_decode
 from stage_server.config import StageConfig, max_step_bytes, split_host_port
-from stage_server.kv_pool import KVPool
+from stage_server.kv_pool import KVPool, PoolExhausted
 from stage_server.loader import TORCH_DTYPES, load_stage
 from stage_server.model import StageModel, StepSlice
 from stage_server.output_log import LogBudget
@@ -118,28 +119,54 @@ class StageSlot(stage_pb2_grpc.StageServicer):
             yield chunk
 
 
-def _scratch_passes(model: StageModel, pool: KVPool, lengths: tuple[int, ...]) -> None:
-    """Passes of these token counts, one after another, over a scratch session."""
+def _scratch_passes(model: StageModel, pool: KVPool, lengths: tuple[int, ...]) -> list[float]:
+    """Passes of these token counts, one after another, over a scratch session; the seconds of each."""
     cache = pool.allocate(sum(lengths))
+    seconds = []
     try:
         start = 0
         for n in lengths:
             pool.grow(cache, start + n)
+            t0 = time.perf_counter()
             model(model.scratch_inputs(n), [StepSlice(cache, 0, start, n)])
+            seconds.append(time.perf_counter() - t0)
             start += n
     finally:
         pool.release(cache)
+    return seconds
 
 
-def warm_up(model: StageModel, pool: KVPool) -> float:
-    """A pass over a scratch session before the stage says SERVING, so that the first caller does
-    not pay for first-use costs (allocator growth, kernel selection, --compile's compilation of its decode
-    graphs); returns its seconds. A compilation that fails leaves the stage eager (logged once)."""
+PROBE_TOKENS = 128
+"""The warm-up times a prefill pass of this many tokens (at most --max-batch-tokens) and scales it to a full
+pass: what the stage reports as the longest pass a step may wait behind before it has run one (StageInfo.pass_ms)."""
+
+
+@dataclass
+class WarmUp:
+    seconds: float
+    step_ms: float
+    """Its timed decode pass: one token, after a PROBE_TOKENS prompt."""
+    full_pass_ms: float
+    """Its timed prefill pass scaled to max_batch_tokens tokens (per token it costs more than a full pass: the
+    weights are read once a pass, so the estimate errs long; 0 where the pool could not hold the probe)."""
+
+
+def warm_up(model: StageModel, pool: KVPool, max_batch_tokens: int) -> WarmUp:
+    """Passes over a scratch session before the stage says SERVING, so that the first caller does not pay for
+    first-use costs (allocator growth, kernel selection, --compile's compilation of its decode graphs), and
+    two of them timed, so that a fresh chain's first long pass is not taken for a hang (a router times a step
+    by the passes its stages report, and before this they had none). A compilation that fails leaves the stage
+    eager (logged once)."""
     t0 = time.perf_counter()
     if is_compiled(model):
         warm_up_decode(model, pool)
     _scratch_passes(model, pool, (1,))
-    return time.perf_counter() - t0
+    n = max(1, min(PROBE_TOKENS, max_batch_tokens, model.args.max_position - 1))
+    try:
+        prefill_s, step_s = _scratch_passes(model, pool, (n, 1))
+    except PoolExhausted:
+        prefill_s = step_s = 0.0
+    return WarmUp(time.perf_counter() - t0, step_s * 1000, prefill_s * 1000 * max_batch_tokens / n)
 
 
 class StageServer:
@@ -232,14 +259,16 @@ class StageServer:
         kv_bytes = int(config.kv_cache_gb * 2**30) if config.kv_cache_gb else default_kv_bytes(model.device)
         self.pool = KVPool(kv_bytes, len(model.layers), args.num_kv_heads, args.head_dim, model.dtype, model.device,
                            config.kv_block_size, config.kv_lookahead_blocks)
-        warm_s = await self.in_compute(warm_up, model, self.pool)
+        warm = await self.in_compute(warm_up, model, self.pool, config.batcher.max_batch_tokens)
+        warm_s = warm.seconds
         compiled = (f" with torch.compile ({compiled_graphs(model)} decode graphs)" if is_compiled(model)
                     else " (eager: compilation failed)") if config.compile else ""
         model.load_s += warm_s  # the cold start: load, then warm-up (and compilation) before serving
-        log.info(f"warm-up in {warm_s * 1000:.0f} ms{compiled}; cold start {model.load_s:.2f}s before serving",
-                 extra={"stage": self.address})
+        log.info(f"warm-up in {warm_s * 1000:.0f} ms{compiled}; cold start {model.load_s:.2f}s before serving; "
+                 f"a decode step ~{warm.step_ms:.1f} ms, a full pass ({config.batcher.max_batch_tokens} tokens) "
+                 f"~{warm.full_pass_ms:.0f} ms", extra={"stage": self.address})
         self.sessions = SessionTable(self.pool, args.max_position, LogBudget(int(config.output_log_gb * 2**30)))
-        self.batcher = StepBatcher(model, config.batcher, self.compute)
+        self.batcher = StepBatcher(model, config.batcher, self.compute, warm.step_ms, warm.full_pass_ms)
         self.batcher.start()
         self.model = model
         self.slot.current = StageService(model, self.sessions, self.batcher, config.model_name, self.fingerprint,

@@ -128,9 +128,9 @@ async def test_a_failed_compilation_serves_eager(tiny_models, hf_models, monkeyp
     fails, the stage logs it once and serves the same tokens eagerly."""
     real_warm_up = server_module.warm_up
 
-    def warm_up_without_a_compiler(model, pool):  # inductor's config is per thread: set it on the compute thread
+    def warm_up_without_a_compiler(*args):  # inductor's config is per thread: set it on the compute thread
         with inductor_config.patch({"cpp.cxx": ("/nonexistent/c++",), "fx_graph_cache": False}):
-            return real_warm_up(model, pool)
+            return real_warm_up(*args)
 
     monkeypatch.setattr(server_module, "warm_up", warm_up_without_a_compiler)
     torch._dynamo.reset()  # no graph compiled by an earlier test may serve here

@@ -16,6 +16,7 @@ from router.generation import Backoff, GenerationConfig
 from router.server import RouterConfig, RouterServer
 from stage_server.batcher import BatcherConfig
 from stage_server.kv_pool import PoolExhausted
+from stage_server.model import StageModel
 from stage_server.sessions import UnknownSession
 from stagemesh import grpc_server, metrics
 from stagemesh.errors import StatusError
@@ -227,7 +228,8 @@ async def test_failover_does_not_wait_on_the_dead_chain(tiny_model, hf_models):
                 mesh.router.chains.chains[1].healthy = True
                 link.set(black_hole=True)
         assert got == hf_greedy(hf_models["llama"], ids, 10)
-        assert max(gaps[3:]) < 1.0 + 1.5  # the progress timeout, and not 2 s more per CloseSession
+        timeout = Progress(floor_s=1.0).timeout(mesh.router.chains.chains[0], 1)  # as the router reckons it
+        assert max(gaps[3:]) < timeout + 1.5  # the progress timeout, and not 2 s more per CloseSession
     finally:
         link.stop()
         await mesh.stop()
@@ -264,6 +266,49 @@ async def test_a_long_prompt_is_not_starved_by_decodes_whatever_the_chunk_settin
         await mesh.stop()
 
 
+async def a_stream_with_two_long_prompts_in_its_way(stub, hf_model, seed: int) -> None:
+    """A stream decodes; after its third token two callers' 200-token prompts land in its way. It ends exact,
+    and no step of anyone's was timed out."""
+    timeouts = metrics.STEP_TIMEOUTS._value.get()
+    ids, got, others = prompt(8, seed=seed), [], []
+    async for r in stub.Generate(request(ids, 30), timeout=120):
+        got.extend(r.token_ids)
+        if len(got) == 3:
+            others = [asyncio.create_task(collect(stub.Generate(request(prompt(200, seed=seed + 1 + i), 2),
+                                                                timeout=120))) for i in range(2)]
+    await asyncio.gather(*others)
+    assert got == hf_greedy(hf_model, ids, 30)
+    assert metrics.STEP_TIMEOUTS._value.get() == timeouts
+
+
+async def test_a_fresh_chains_first_long_prefill_is_waited_out_not_timed_out(tiny_model, hf_models, monkeypatch):
+    """Before any caller's long pass, the stages already tell the router how long one may take: the warm-up
+    times a prefill pass and scales it to a full one (--max-batch-tokens). Here a pass of more than 32 tokens
+    takes 1 s, on a 0.3 s progress floor; the first long prompts a fresh chain sees land in a decoding
+    stream's way, and the stream goes on, exact (before, it was timed out and the chain taken down)."""
+    forward = StageModel.forward
+
+    def slow_prefill(self, inputs, steps):
+        if inputs.shape[0] > 32:
+            time.sleep(1.0)
+        return forward(self, inputs, steps)
+
+    monkeypatch.setattr(StageModel, "forward", slow_prefill)
+    mesh = await start_mesh(tiny_model, [splits(4, 4)],
+                            router_options={"generation": GenerationConfig(step_timeout_s=0.3)})
+    try:
+        stub, chain = mesh.router_stub, mesh.router.chains.chains[0]
+        for _ in range(100):  # the first health checks bring the stages' Info
+            if chain.pass_ms:
+                break
+            await asyncio.sleep(0.1)
+        assert chain.pass_ms >= 2 * 1000, "each stage's warm-up saw a pass of 1 s at least"
+        await a_stream_with_two_long_prompts_in_its_way(stub, hf_models["llama"], seed=81)
+        assert chain.healthy
+    finally:
+        await mesh.stop()
+
+
 async def test_a_step_behind_another_callers_long_prefill_is_slow_not_hung(tiny_model, hf_models, monkeypatch):
     """A prefill chunk's pass takes many decode steps' time (here made 1 s, on a 0.3 s progress floor). A stream
     whose step waits one out, and rides in the next, is slow, not hung: the router counts its stages' longest
@@ -290,16 +335,7 @@ async def test_a_step_behind_another_callers_long_prefill_is_slow_not_hung(tiny_
                 break
             await asyncio.sleep(0.1)
         assert chain.pass_ms >= 1000
-        timeouts = metrics.STEP_TIMEOUTS._value.get()
-        ids, got, others = prompt(8, seed=91), [], []
-        async for r in stub.Generate(request(ids, 30), timeout=120):
-            got.extend(r.token_ids)
-            if len(got) == 3:  # two callers' long prompts land in the stream's way
-                others = [asyncio.create_task(collect(stub.Generate(request(prompt(200, seed=92 + i), 2),
-                                                                    timeout=120))) for i in range(2)]
-        await asyncio.gather(*others)
-        assert got == hf_greedy(hf_models["llama"], ids, 30)
-        assert metrics.STEP_TIMEOUTS._value.get() == timeouts
+        await a_stream_with_two_long_prompts_in_its_way(stub, hf_models["llama"], seed=91)
         assert chain.healthy
     finally:
         await mesh.stop()
