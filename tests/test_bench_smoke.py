@@ -135,7 +135,8 @@ def test_bench_tp_rows_measure_both_layouts(tmp_path, tiny_model):
 @pytest.mark.timeout(200)
 def test_bench_aggregate_runs_each_tree_and_reports_its_ratio_to_the_first(tmp_path, tiny_model):
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_aggregate.py"), "--model", str(tiny_model),
-                           "--levels", "2", "--repeats", "1", "--code", str(ROOT), "--code", str(ROOT)],
+                           "--levels", "2", "--repeats", "1", "--stages", "1", "--code", str(ROOT),
+                           "--code", str(ROOT)],
                           cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
     rows = [line for line in proc.stdout.splitlines() if line.strip().startswith("2 streams")]
