@@ -147,8 +147,8 @@ class WarmUp:
     step_ms: float
     """Its timed decode pass: one token, after a PROBE_TOKENS prompt."""
     full_pass_ms: float
-    """Its timed prefill pass scaled to max_batch_tokens tokens (per token it costs more than a full pass: the
-    weights are read once a pass, so the estimate errs long; 0 where the pool could not hold the probe)."""
+    """Its timed prefill pass scaled to max_batch_tokens tokens. Per token a short pass costs more than a full
+    one (the weights are read once a pass), so the estimate errs long; 0 where the pool could not hold it."""
 
 
 def warm_up(model: StageModel, pool: KVPool, max_batch_tokens: int) -> WarmUp:
