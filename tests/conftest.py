@@ -88,19 +88,23 @@ class Mesh:
 async def start_mesh(model: Path, chains: list[list[tuple[int, int]]], *, router: bool = True,
                      stage_options: dict | None = None, router_options: dict | None = None) -> Mesh:
     mesh = Mesh()
-    for layout in chains:
-        servers = []
-        for start, end in layout:
-            options = {"kv_cache_gb": 1.0, **(stage_options or {})}
-            server = StageServer(StageConfig(model=str(model), layer_start=start, layer_end=end, **options))
-            await server.start(server.load(start, end))
-            servers.append(server)
-        mesh.stages.append(servers)
-    if router:
-        specs = [",".join(s.address for s in servers) for servers in mesh.stages]
-        mesh.router = RouterServer(RouterConfig(model=str(model), chains=specs, port=0, health_interval_s=0.2,
-                                                **(router_options or {})))
-        await mesh.router.start()
+    try:
+        for layout in chains:
+            servers = []
+            mesh.stages.append(servers)
+            for start, end in layout:
+                options = {"kv_cache_gb": 1.0, **(stage_options or {})}
+                servers.append(StageServer(StageConfig(model=str(model), layer_start=start, layer_end=end,
+                                                       **options)))
+                await servers[-1].start(servers[-1].load(start, end))
+        if router:
+            specs = [",".join(s.address for s in servers) for servers in mesh.stages]
+            mesh.router = RouterServer(RouterConfig(model=str(model), chains=specs, port=0, health_interval_s=0.2,
+                                                    **(router_options or {})))
+            await mesh.router.start()
+    except BaseException:
+        await mesh.stop()  # a grpc.aio server left alive hangs the interpreter's exit, after the last test
+        raise
     return mesh
 
 

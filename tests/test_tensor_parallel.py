@@ -33,19 +33,19 @@ def prompt(n: int, seed: int) -> list[int]:
 
 
 async def start_tp_mesh(model, layout: list[tuple[int, int, int]]) -> Mesh:
-    mesh = Mesh()
-    servers = []
-    for start, end, tp in layout:
-        server = StageServer(StageConfig(model=str(model), layer_start=start, layer_end=end, kv_cache_gb=0.25, tp=tp,
-                                         batcher=BatcherConfig(max_batch_tokens=MAX_BATCH_TOKENS)))
-        servers.append(server)
-        mesh.stages.append([server])
-    for server, (start, end, _) in zip(servers, layout, strict=True):
-        await server.start(await asyncio.to_thread(server.load, start, end))
-    mesh.stages = [servers]
-    mesh.router = RouterServer(RouterConfig(model=str(model), chains=[",".join(s.address for s in servers)], port=0,
-                                            health_interval_s=0.2))
-    await mesh.router.start()
+    servers = [StageServer(StageConfig(model=str(model), layer_start=start, layer_end=end, kv_cache_gb=0.25, tp=tp,
+                                       batcher=BatcherConfig(max_batch_tokens=MAX_BATCH_TOKENS)))
+               for start, end, tp in layout]
+    mesh = Mesh(stages=[servers])
+    try:
+        for server, (start, end, _) in zip(servers, layout, strict=True):
+            await server.start(await asyncio.to_thread(server.load, start, end))
+        mesh.router = RouterServer(RouterConfig(model=str(model), chains=[",".join(s.address for s in servers)],
+                                                port=0, health_interval_s=0.2))
+        await mesh.router.start()
+    except BaseException:
+        await mesh.stop()  # a grpc.aio server left alive hangs the interpreter's exit, after the last test
+        raise
     return mesh
 
 
