@@ -96,9 +96,7 @@ class LocalMesh:
 
     def spawn(self, name: str, args: list[str], env: dict[str, str], timeout: float = 120.0) -> Process:
         """Starts a process, lists it, and waits until it is ready."""
-        proc = self.launch(name, args, env)
-        self.processes.append(proc)
-        return self.wait_ready(proc, timeout)
+        return self.spawn_together([(name, args)], env, timeout)[0]
 
     def spawn_together(self, specs: list[tuple[str, list[str]]], env: dict[str, str],
                        timeout: float = 120.0) -> list[Process]:
