@@ -7,8 +7,8 @@ import asyncio
 import logging
 
 from router.chains import ChainSet
-from stagemesh.discovery.chain_table import decode_chains
-from stagemesh.discovery.registry import Registry, RegistryError, chains_key, plan_key
+from stagemesh.discovery.chain_table import decode_chains, published_plan
+from stagemesh.discovery.registry import Registry, RegistryError, chains_key
 
 log = logging.getLogger("stagemesh.router")
 
@@ -31,9 +31,8 @@ async def follow_chains(registry: Registry, model_name: str, chains: ChainSet) -
                                 f"{len(chains.chains)} chain(s)")
                     rejected = raw or b""
                 continue
+            chains.plan = published_plan(raw) or ""
             if chains.replace(published):
-                plan, _ = await registry.kv_get(plan_key(model_name))
-                chains.plan = plan.decode() if plan else ""
                 await chains.refresh()
             if unreachable:
                 log.info("registry reachable again")

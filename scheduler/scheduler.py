@@ -25,7 +25,6 @@ from stagemesh.discovery.registry import (
     chains_key,
     leader_key,
     parse_layers,
-    plan_key,
 )
 from stagemesh.tracing import TracingConfig
 
@@ -225,8 +224,8 @@ class Scheduler:
             waiting = len(new_plan.chains) - len(ready)
             summary = (f"{len(ready)} chain(s) published"
                        + (f", {waiting} waiting for their stages to load and serve" if waiting else ""))
-            if not (await self._write(plan_key(self.name), f"{new_plan.explanation}\n{summary}".encode())
-                    and await self._write(chains_key(self.name), encode_chains(ready))):
+            if not await self._write(chains_key(self.name),
+                                     encode_chains(ready, f"{new_plan.explanation}\n{summary}")):
                 return
             log.info(f"{summary}: " + "; ".join(c.label for c in ready))
             self.published = ready

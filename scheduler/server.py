@@ -10,8 +10,8 @@ from pathlib import Path
 
 from scheduler.scheduler import Scheduler, SchedulerConfig
 from stagemesh.discovery.backends import open_registry
-from stagemesh.discovery.chain_table import decode_chains
-from stagemesh.discovery.registry import chains_key, plan_key
+from stagemesh.discovery.chain_table import decode_chains, published_plan
+from stagemesh.discovery.registry import chains_key
 from stagemesh.signals import until_signalled
 from stagemesh.tls import Tls
 
@@ -51,13 +51,13 @@ async def serve_scheduler(config: SchedulerConfig, registry_url: str, tls: Tls |
 async def print_plan(registry_url: str, model_name: str, tls: Tls | None = None) -> str:
     registry = open_registry(registry_url, tls)
     try:
-        plan, _ = await registry.kv_get(plan_key(model_name))
         chains, _ = await registry.kv_get(chains_key(model_name))
     finally:
         await registry.close()
+    plan = published_plan(chains)
     if plan is None:
         return f"no plan for model {model_name!r} in {registry_url}: is a scheduler running for it?"
-    lines = [plan.decode(), "", "published chains:"]
+    lines = [plan, "", "published chains:"]
     for chain in decode_chains(chains):
         lines.append(f"  {chain.chain_id} ({chain.kind}, tp width {chain.tp_width}, model "
                      f"{chain.fingerprint or 'not announced'}): {chain.label}")

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from registry.service import start_registry_server
 from stagemesh.discovery.backends import open_registry
-from stagemesh.discovery.registry import ServiceRecord, chains_key, plan_key
+from stagemesh.discovery.registry import ServiceRecord, chains_key
 from stagemesh.etcd_cluster import EtcdCluster
 
 MODEL = "bench/model"
@@ -42,8 +42,8 @@ async def _timed(calls: int, fn) -> float:
 async def measure(url: str, calls: int, wakes: int) -> dict[str, float]:
     registry, watcher = open_registry(url), open_registry(url)
     try:
-        await registry.kv_put(plan_key(MODEL), b"x" * 2048)
-        result = {"kv_get": await _timed(calls, lambda: registry.kv_get(plan_key(MODEL)))}
+        await registry.kv_put(chains_key(MODEL), b"x" * 2048)
+        result = {"kv_get": await _timed(calls, lambda: registry.kv_get(chains_key(MODEL)))}
 
         async def cas():
             _, index = await registry.kv_get(chains_key(MODEL))
@@ -57,11 +57,11 @@ async def measure(url: str, calls: int, wakes: int) -> dict[str, float]:
 
         samples = []
         for i in range(wakes):
-            index, _ = await watcher.watch_key(plan_key(MODEL), 0, 0)
-            watch = asyncio.create_task(watcher.watch_key(plan_key(MODEL), index, 10))
+            index, _ = await watcher.watch_key(chains_key(MODEL), 0, 0)
+            watch = asyncio.create_task(watcher.watch_key(chains_key(MODEL), index, 10))
             await asyncio.sleep(0.05)  # the watch is waiting
             started = time.perf_counter()
-            await registry.kv_put(plan_key(MODEL), str(i).encode())
+            await registry.kv_put(chains_key(MODEL), str(i).encode())
             _, entry = await watch
             samples.append(time.perf_counter() - started)
             assert entry is not None and entry.value == str(i).encode()

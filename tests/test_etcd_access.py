@@ -12,7 +12,7 @@ import pytest
 from stagemesh import tls
 from stagemesh.certs import CertsConfig, make_certs
 from stagemesh.discovery.backends import etcd_target, open_registry
-from stagemesh.discovery.registry import RegistryError, plan_key
+from stagemesh.discovery.registry import RegistryError, chains_key
 from stagemesh.etcd_cluster import EtcdCluster
 
 
@@ -28,8 +28,8 @@ async def test_etcd_over_tls_with_the_mesh_certificate(certs, tmp_path):
         assert cluster.url.startswith("etcd+https://")
         registry = open_registry(cluster.url, certs["mesh"])
         try:
-            await registry.kv_put(plan_key("m"), b"over tls")
-            assert (await registry.kv_get(plan_key("m")))[0] == b"over tls"
+            await registry.kv_put(chains_key("m"), b"over tls")
+            assert (await registry.kv_get(chains_key("m")))[0] == b"over tls"
         finally:
             await registry.close()
         for url, mesh in ((cluster.url, certs["other"]), (cluster.url.replace("etcd+https", "etcd"), None)):
@@ -37,7 +37,7 @@ async def test_etcd_over_tls_with_the_mesh_certificate(certs, tmp_path):
             stranger.call_timeout_s = 2.0
             try:
                 with pytest.raises(RegistryError, match="etcd at"):
-                    await stranger.kv_get(plan_key("m"))
+                    await stranger.kv_get(chains_key("m"))
             finally:
                 await stranger.close()
     finally:
@@ -69,12 +69,12 @@ async def test_etcd_with_auth_takes_a_user_and_refuses_a_wrong_password(tmp_path
         monkeypatch.setenv("ETCDCTL_USER", "root:wrong")
         wrong = open_registry(cluster.url)
         try:
-            await registry.kv_put(plan_key("m"), b"authenticated")
-            assert (await registry.kv_get(plan_key("m")))[0] == b"authenticated"
-            assert await registry.acquire_lock(plan_key("lock"), "a", 2.0)
+            await registry.kv_put(chains_key("m"), b"authenticated")
+            assert (await registry.kv_get(chains_key("m")))[0] == b"authenticated"
+            assert await registry.acquire_lock(chains_key("lock"), "a", 2.0)
             for refused in (anonymous, wrong):
                 with pytest.raises(RegistryError, match="etcd at"):
-                    await refused.kv_get(plan_key("m"))
+                    await refused.kv_get(chains_key("m"))
         finally:
             for r in (registry, anonymous, wrong):
                 await r.close()

@@ -38,7 +38,6 @@ from stagemesh.discovery.registry import (
     assignments_prefix,
     chains_key,
     leader_key,
-    plan_key,
 )
 from stagemesh.etcd_cluster import EtcdCluster
 
@@ -238,7 +237,7 @@ async def test_invalid_arguments_raise_value_error(registry, model):
     with pytest.raises(ValueError, match="leading"):
         await registry.kv_put("/stagemesh/x", b"x")
     with pytest.raises(ValueError, match="bytes"):
-        await registry.kv_put(plan_key(model), "not bytes")  # type: ignore[arg-type]
+        await registry.kv_put(chains_key(model), "not bytes")  # type: ignore[arg-type]
 
 
 async def test_service_goes_critical_then_is_removed_when_its_server_dies(backend, registry, model):
@@ -285,7 +284,7 @@ async def test_watch_services_wakes_on_registration(registry, model):
 
 
 async def test_watch_key_and_prefix_wake_on_change(registry, model):
-    key, prefix = plan_key(model), assignments_prefix(model)
+    key, prefix = chains_key(model), assignments_prefix(model)
     index, entry = await registry.watch_key(key, 0, 0)
     assert entry is None
 
@@ -418,7 +417,7 @@ def test_open_registry_parses_urls():
                 "zk://h:1", "local://no-port", "consul://", "h:notaport"):
         with pytest.raises(ValueError, match="registry URL|address"):
             open_registry(bad)
-    assert plan_key("/ckpt/llama") == "stagemesh/%2Fckpt%2Fllama/plan"
+    assert chains_key("/ckpt/llama") == "stagemesh/%2Fckpt%2Fllama/chains"
 
 
 @pytest.mark.parametrize("url", ["local://127.0.0.1:{port}", "consul://127.0.0.1:{port}", "etcd://127.0.0.1:{port}"])
@@ -426,6 +425,6 @@ async def test_an_unreachable_backend_raises_registry_error(url):
     registry = open_registry(url.format(port=free_ports(1)[0]))
     try:
         with pytest.raises(RegistryError, match="running"):
-            await registry.kv_get(plan_key("m"))
+            await registry.kv_get(chains_key("m"))
     finally:
         await registry.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 
 import pytest
@@ -10,6 +11,7 @@ import pytest
 from registry.service import start_registry_server
 from router.server import RouterConfig, RouterServer
 from scheduler.scheduler import Scheduler, SchedulerConfig
+from scheduler.server import print_plan
 from stage_server.config import StageConfig
 from stage_server.registration import Registration, RegistrationConfig
 from stage_server.server import StageServer
@@ -116,6 +118,30 @@ async def test_model_that_fits_one_host_runs_as_whole_model_replicas(plane):
     assert layouts(chains) == [[(0, 8)]] * 4
     listing = await stub.ListChains(router_pb2.ListChainsRequest())
     assert "layers 0:8" in listing.plan and "4 chain(s) published" in listing.plan  # it explains itself
+
+
+async def test_the_plan_printed_lists_every_chain_it_announces(plane):
+    """`stagemesh plan` while replicas join one after another: no snapshot of it announces a chain it does not
+    list (the plan and the chains were two keys, written one after the other, and CI read between them)."""
+    await plane.add_scheduler()
+    snapshots: list[str] = []
+
+    async def poll() -> None:
+        for _ in range(5000):  # bounded; far more than the joins take
+            snapshots.append(await print_plan(plane.url, plane.model.name))
+            if "3 chain(s) published" in snapshots[-1]:
+                return
+            await asyncio.sleep(0)
+
+    poller = asyncio.get_running_loop().create_task(poll())
+    for _ in range(3):
+        await plane.add_stage(share_of_model=1.5)
+    await asyncio.wait_for(poller, 30)
+    for printed in snapshots:
+        announced = re.search(r"(\d+) chain\(s\) published", printed)
+        listed = printed.count("(replica, tp width 1")
+        assert listed == (int(announced[1]) if announced else 0), printed
+    assert "3 chain(s) published" in snapshots[-1] and snapshots[-1].count("(replica, tp width 1") == 3
 
 
 async def test_half_model_hosts_make_two_chains_of_two_and_share_traffic(plane):

@@ -1,6 +1,8 @@
-"""The chains the scheduler publishes in the registry (`stagemesh/<model>/chains`), as JSON.
+"""The chains the scheduler publishes in the registry (`stagemesh/<model>/chains`), as JSON, with the plan that
+explains them.
 
-Routers read this; it is the only thing they need from the scheduler."""
+Routers read this; it is the only thing they need from the scheduler. The plan travels in the same value so that
+no reader sees a plan announce chains the table lacks, or chains the plan does not explain."""
 
 from __future__ import annotations
 
@@ -64,8 +66,8 @@ class PublishedChain:
         return tp_width([s.tp for s in self.stages])
 
 
-def encode_chains(chains: list[PublishedChain]) -> bytes:
-    return json.dumps({"chains": [asdict(c) for c in chains]}, sort_keys=True).encode()
+def encode_chains(chains: list[PublishedChain], plan: str = "") -> bytes:
+    return json.dumps({"chains": [asdict(c) for c in chains], "plan": plan}, sort_keys=True).encode()
 
 
 def decode_chains(raw: bytes | None) -> list[PublishedChain]:
@@ -79,6 +81,18 @@ def decode_chains(raw: bytes | None) -> list[PublishedChain]:
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ValueError(f"malformed chain table ({type(exc).__name__}: {exc})") from None
     return chains
+
+
+def published_plan(raw: bytes | None) -> str | None:
+    """The plan published with the chains; None where nothing was published, "" from schedulers before it
+    (or for a table that is not one: decode_chains says what is wrong with it)."""
+    if raw is None:
+        return None
+    try:
+        plan = json.loads(raw).get("plan", "")
+    except (ValueError, AttributeError):
+        return ""
+    return plan if isinstance(plan, str) else ""
 
 
 def _chain(c: dict) -> PublishedChain:

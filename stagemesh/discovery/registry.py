@@ -166,13 +166,8 @@ def model_prefix(model: str) -> str:
     return f"stagemesh/{quote(model, safe='')}/"
 
 
-def plan_key(model: str) -> str:
-    """The scheduler's placement plan (and its explanation)."""
-    return model_prefix(model) + "plan"
-
-
 def chains_key(model: str) -> str:
-    """The pipeline chains routers use."""
+    """The pipeline chains routers use, and the placement plan that explains them (chain_table)."""
     return model_prefix(model) + "chains"
 
 
@@ -213,7 +208,7 @@ def split_address(address: str) -> tuple[str, int]:
 def check_key(key: str, value: bytes | None = None) -> None:
     """Raises ValueError on keys or values Consul would reject, for both backends."""
     if not key or key.startswith("/"):
-        raise ValueError(f"key {key!r}: use a non-empty key without a leading '/', e.g. {plan_key('m')!r}")
+        raise ValueError(f"key {key!r}: use a non-empty key without a leading '/', e.g. {chains_key('m')!r}")
     if value is not None:
         if not isinstance(value, bytes):
             raise ValueError(f"value of {key!r} must be bytes, not {type(value).__name__}")
