@@ -12,12 +12,12 @@ import time
 from dataclasses import dataclass, field
 
 import grpc
-import torch
 
-from stagemesh import grpc_server, metrics, tensor_codec
+from stagemesh import grpc_server, metrics
 from stagemesh.errors import REQUEST_ID_KEY
 from stagemesh.tls import Tls
 from stagemesh.v1 import stage_pb2, stage_pb2_grpc, tensor_pb2
+from stagemesh.wire import encode_ids
 
 log = logging.getLogger("stagemesh.router")
 
@@ -73,13 +73,13 @@ class StepResult:
     """What the last stage answered for a step, read off its ForwardResponse."""
 
     token_id: int
-    logits: torch.Tensor | None = None
-    """The last position's logits, [vocab_size] float32, when the step asked for them."""
+    logits: tensor_pb2.Tensor | None = None
+    """The last position's logits, [vocab_size] float32, when the step asked for them, as they came off the
+    wire: tensor_codec.decode makes them a tensor (the router never does, and never imports torch)."""
 
     @classmethod
     def from_pb(cls, response: stage_pb2.ForwardResponse) -> StepResult:
-        logits = tensor_codec.decode(response.logits) if response.HasField("logits") else None
-        return cls(token_id=response.token_id, logits=logits)
+        return cls(token_id=response.token_id, logits=response.logits if response.HasField("logits") else None)
 
 
 _chain_counter = itertools.count(1)
@@ -351,7 +351,7 @@ class ChainSession:
         n_stages = len(self.chain.stages)
         if not chunk_size or len(token_ids) <= chunk_size:
             # One chunk (every decode step): the hops in order, no tasks or queues.
-            tensor = tensor_codec.encode_ids(token_ids)
+            tensor = encode_ids(token_ids)
             for i in range(n_stages):
                 request = self._request(i, self.position, tensor, sampling, True, return_logits)
                 response = await self._exchange(i, request, len(token_ids))
@@ -364,7 +364,7 @@ class ChainSession:
         queues: list[asyncio.Queue] = [asyncio.Queue() for _ in range(n_stages)]
         start = self.position
         for k, chunk in enumerate(chunks):
-            queues[0].put_nowait((start, k == len(chunks) - 1, tensor_codec.encode_ids(chunk)))
+            queues[0].put_nowait((start, k == len(chunks) - 1, encode_ids(chunk)))
             start += len(chunk)
 
         async def run_stage(i: int) -> stage_pb2.ForwardResponse | None:

@@ -19,7 +19,7 @@ from router.repair import Repairs
 from stagemesh import metrics
 from stagemesh.config_flags import refused
 from stagemesh.errors import StatusError
-from stagemesh.tensor_codec import WIRE_DTYPES
+from stagemesh.wire import WIRE_DTYPES
 
 log = logging.getLogger("stagemesh.router")
 

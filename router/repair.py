@@ -26,8 +26,9 @@ from router.chain_client import ChainSession, StageEndpoint, StepResult, _backgr
 from router.chains import ChainSet
 from router.forwarding import ForwardingSession, deadline_exceeded
 from router.session_mux import REROUTED, mux_of
-from stagemesh import metrics, tensor_codec
+from stagemesh import metrics
 from stagemesh.v1 import stage_pb2, tensor_pb2
+from stagemesh.wire import encode_ids
 
 log = logging.getLogger("stagemesh.router")
 
@@ -109,7 +110,7 @@ async def _inputs(session: ChainSession, index: int, history: list[int], start: 
         return
     if index == 0:
         for a, b in _chunks(start, end, chunk):
-            yield a, b, tensor_codec.encode_ids(history[a:b])
+            yield a, b, encode_ids(history[a:b])
         return
     previous = session.chain.stages[index - 1]
     read = previous.stub.ReadOutput(stage_pb2.ReadOutputRequest(session_id=session.session_id, start=start, end=end,

@@ -25,13 +25,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from stage_server.config import BatcherConfig
 from stage_server.kv_pool import PREEMPTED, PoolExhausted, Preempted
 from stage_server.model import StageModel, StepSlice
 from stage_server.sampling import Sampling, sample_rows
 from stage_server.sessions import Session, UnknownSession
 from stage_server.step_timing import StepTiming
 from stagemesh import metrics
-from stagemesh.config_flags import refused
 
 AGED_AFTER_PASSES = 2
 """A step left out of this many passes runs in the next one, first (alone if it is over the budget)."""
@@ -69,25 +69,6 @@ class StepResult:
     hidden: torch.Tensor | None = None  # [n, hidden]
     token_id: int | None = None
     logits: torch.Tensor | None = None  # [vocab]
-
-
-@dataclass
-class BatcherConfig:
-    batch_window_ms: float = 0.0
-    """Wait this long for more steps after the first arrives, to batch them together (0: take what is queued)."""
-    max_batch_tokens: int = 2048
-    """Token budget of one forward pass; one step larger than it still runs, alone."""
-    inline_max_ms: float = 5.0
-    """A lone decode step runs on the event loop while the last decode pass took less than this (0: never);
-    above it the hop to the compute thread costs less than holding the loop."""
-
-    def __post_init__(self) -> None:
-        if not self.batch_window_ms >= 0:
-            raise refused(self, "batch_window_ms", "must be >= 0 milliseconds (0: no waiting, take what is queued)")
-        if not self.max_batch_tokens >= 1:
-            raise refused(self, "max_batch_tokens", "must be >= 1 token (a pass of 2048 is ordinary)")
-        if not self.inline_max_ms >= 0:
-            raise refused(self, "inline_max_ms", "must be >= 0 milliseconds (0: every pass on the compute thread)")
 
 
 class StepBatcher:

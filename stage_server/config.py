@@ -7,11 +7,30 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import get_args
 
-from stage_server.batcher import BatcherConfig
 from stagemesh import grpc_server
 from stagemesh.checkpoint import QUANTIZE, Quantization, ServingDtype
 from stagemesh.config_flags import PORT_RULE, refused
 from stagemesh.tracing import TracingConfig
+
+
+@dataclass
+class BatcherConfig:
+    batch_window_ms: float = 0.0
+    """Wait this long for more steps after the first arrives, to batch them together (0: take what is queued)."""
+    max_batch_tokens: int = 2048
+    """Token budget of one forward pass; one step larger than it still runs, alone."""
+    inline_max_ms: float = 5.0
+    """A lone decode step runs on the event loop while the last decode pass took less than this (0: never);
+    above it the hop to the compute thread costs less than holding the loop."""
+
+    def __post_init__(self) -> None:
+        if not self.batch_window_ms >= 0:
+            raise refused(self, "batch_window_ms", "must be >= 0 milliseconds (0: no waiting, take what is queued)")
+        if not self.max_batch_tokens >= 1:
+            raise refused(self, "max_batch_tokens", "must be >= 1 token (a pass of 2048 is ordinary)")
+        if not self.inline_max_ms >= 0:
+            raise refused(self, "inline_max_ms", "must be >= 0 milliseconds (0: every pass on the compute thread)")
+
 
 STEP_HEADROOM_BYTES = 1 << 20
 """Room in a Forward message besides its hidden states: framing, ids, sampling, a row scale per token."""

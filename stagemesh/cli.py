@@ -20,7 +20,6 @@ from router.server import serve as serve_router
 from scheduler.scheduler import SchedulerConfig
 from scheduler.server import PlanConfig, print_plan, serve_scheduler
 from stage_server.config import StageConfig
-from stage_server.main import serve as serve_stage
 from stagemesh import launcher, tls
 from stagemesh.certs import CertsConfig, run_certs
 from stagemesh.config_flags import add_flags, from_args
@@ -41,6 +40,10 @@ def _run(coro) -> None:
 
 
 def run_stage(config: StageConfig) -> None:
+    # Imported here, not above: the stage's torch and transformers are ~4 s of a process's start, which the
+    # router, scheduler and registry processes (this same command) must not pay. test_layout holds them to it.
+    from stage_server.main import serve as serve_stage
+
     setup_tracing("stagemesh-stage", config.tracing.otlp_endpoint)
     _run(serve_stage(config))
 

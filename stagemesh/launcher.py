@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 
 from router.generation import GenerationConfig
-from stage_server.batcher import BatcherConfig
+from stage_server.config import BatcherConfig
 from stagemesh.checkpoint import Quantization, ServingDtype, read_config
 from stagemesh.config_flags import PORT_RULE, refused
 from stagemesh.processes import READY, LocalMesh, Process

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import warnings
-from array import array
 
 import torch
 
 from stagemesh.v1 import tensor_pb2
+from stagemesh.wire import FLOAT_DTYPES, WIRE_DTYPES
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -18,9 +18,6 @@ DTYPES: dict[str, torch.dtype] = {
     "int8": torch.int8,
 }
 NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
-FLOAT_DTYPES = frozenset({"float32", "bfloat16", "float16"})
-WIRE_DTYPES = ("float32", "bfloat16", "float16", "int8")
-"""How hidden states may travel between stages (int8: per-row scaled)."""
 
 
 # decode() views a message's bytes without copying them (torch.frombuffer). Those bytes are the tensor's own:
@@ -74,11 +71,6 @@ def encode_hidden_into(msg: tensor_pb2.Tensor, t: torch.Tensor, wire_dtype: str 
 
 def encode_hidden(t: torch.Tensor, wire_dtype: str = "") -> tensor_pb2.Tensor:
     return encode_hidden_into(tensor_pb2.Tensor(), t, wire_dtype)
-
-
-def encode_ids(ids: list[int]) -> tensor_pb2.Tensor:
-    """Token ids as a 1-D int64 tensor, the same message as encode(torch.tensor(ids)), without torch."""
-    return tensor_pb2.Tensor(dtype="int64", shape=[len(ids)], data=array("q", ids).tobytes())
 
 
 def decode(msg: tensor_pb2.Tensor) -> torch.Tensor:

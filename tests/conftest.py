@@ -18,7 +18,7 @@ from router.chain_client import Chain, ChainSession, Sampling, StageEndpoint  # 
 from router.server import RouterConfig, RouterServer  # noqa: E402
 from stage_server.config import StageConfig  # noqa: E402
 from stage_server.server import StageServer  # noqa: E402
-from stagemesh import grpc_server  # noqa: E402
+from stagemesh import grpc_server, tensor_codec  # noqa: E402
 from stagemesh.tiny_model import make_tiny_model  # noqa: E402
 from stagemesh.v1 import router_pb2_grpc, stage_pb2_grpc  # noqa: E402
 
@@ -134,7 +134,7 @@ async def stepped_logits(addresses: list[str], ids: list[int], steps: int,
             feed = ids
             for _ in range(steps):
                 response = await session.step(feed, sampling=Sampling(), return_logits=True)
-                logits.append(response.logits)
+                logits.append(tensor_codec.decode(response.logits))
                 tokens.append(response.token_id)
                 feed = [response.token_id]
     finally:

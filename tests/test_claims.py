@@ -16,8 +16,7 @@ import torch
 
 from router.generation import GenerationConfig
 from router.priority_queue import AdmissionConfig, ClassLimits, PriorityAdmission
-from stage_server.batcher import BatcherConfig
-from stage_server.config import StageConfig
+from stage_server.config import BatcherConfig, StageConfig
 from stage_server.server import StageServer
 from stagemesh.tiny_model import make_tiny_model
 from stagemesh.v1 import router_pb2

@@ -14,8 +14,7 @@ from router.priority_queue import AdmissionConfig, ClassLimits
 from router.server import RouterConfig
 from scheduler.placement import PlacementConfig
 from scheduler.scheduler import SchedulerConfig
-from stage_server.batcher import BatcherConfig
-from stage_server.config import StageConfig
+from stage_server.config import BatcherConfig, StageConfig
 from stagemesh import cli
 from stagemesh.config_flags import from_args
 from stagemesh.launcher import UpConfig

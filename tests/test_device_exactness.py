@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from router.chain_client import Chain, ChainSession, Sampling, StageEndpoint
+from stagemesh import tensor_codec
 from stagemesh.v1 import router_pb2
 from tests.conftest import collect, start_mesh
 from tests.test_exactness import prompt
@@ -42,7 +43,7 @@ async def test_two_stage_chain_matches_transformers_on_the_device(target):
             await stage.close()
         with torch.inference_mode():
             ref = hf(torch.tensor([ids], device=device)).logits[0, -1].float().cpu()
-        torch.testing.assert_close(response.logits, ref, atol=TOLERANCE[dtype], rtol=0)
+        torch.testing.assert_close(tensor_codec.decode(response.logits), ref, atol=TOLERANCE[dtype], rtol=0)
         with torch.inference_mode():
             ids_t = torch.tensor([ids], device=device)
             out = hf.generate(ids_t, attention_mask=torch.ones_like(ids_t), max_new_tokens=16, do_sample=False)

@@ -9,7 +9,7 @@ import logging
 import grpc
 import pytest
 
-from stagemesh import tensor_codec
+from stagemesh import wire
 from stagemesh.errors import REQUEST_ID_KEY, StatusError
 from stagemesh.v1 import router_pb2, stage_pb2
 from tests.conftest import collect, splits, start_mesh
@@ -43,7 +43,7 @@ def raises_async(exc: Exception):
 
 
 def step(session_id: str, ids: list[int]) -> stage_pb2.ForwardRequest:
-    return stage_pb2.ForwardRequest(session_id=session_id, start=0, token_ids=tensor_codec.encode_ids(ids))
+    return stage_pb2.ForwardRequest(session_id=session_id, start=0, token_ids=wire.encode_ids(ids))
 
 
 def logged_failures(caplog, request_id: str) -> list[logging.LogRecord]:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from router.chain_client import Chain, ChainSession, Sampling, StageEndpoint
+from stagemesh import tensor_codec
 from stagemesh.v1 import router_pb2
 from tests.conftest import FAMILIES, collect, hf_greedy, splits, start_mesh, stepped_logits
 
@@ -103,7 +104,7 @@ async def test_bfloat16_chain_follows_transformers_in_bfloat16(tiny_models):
             response = await session.step(ids, sampling=Sampling(), return_logits=True)
         await chain.stages[0].close()
         await chain.stages[1].close()
-        got = response.logits
+        got = tensor_codec.decode(response.logits)
         with torch.inference_mode():
             ref = hf(torch.tensor([ids])).logits[0, -1].float()
         torch.testing.assert_close(got, ref, atol=0.05, rtol=0)

@@ -82,7 +82,7 @@ async def test_forwarded_logits_match_transformers_within_1e_4(tiny_model, hf_mo
             feed = ids
             for _ in range(6):
                 result = await session.step(feed, sampling=Sampling(), chunk_size=5, return_logits=True)
-                logits.append(result.logits)
+                logits.append(tensor_codec.decode(result.logits))
                 tokens.append(result.token_id)
                 feed = [result.token_id]
         with torch.inference_mode():

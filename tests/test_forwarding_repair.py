@@ -14,6 +14,7 @@ import pytest
 from router import repair
 from router.chain_client import Chain, Sampling, StageEndpoint
 from router.forwarding import ForwardingSession
+from stagemesh import tensor_codec
 from stagemesh.v1 import router_pb2
 from tests.conftest import hf_greedy, splits, start_mesh
 from tests.test_exactness import prompt
@@ -51,7 +52,7 @@ async def test_a_repaired_forwarding_chain_continues_exact(tiny_model, hf_models
                         assert cache.length == len(tokens)
                 else:
                     result = await session.step(feed, sampling=Sampling(), chunk_size=16, return_logits=True)
-                got.append(result.logits)
+                got.append(tensor_codec.decode(result.logits))
                 tokens.append(result.token_id)
                 feed = [result.token_id]
         await assert_repaired_exactly(hf_models["llama"], ids, tokens, got, mesh, dead)

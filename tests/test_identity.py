@@ -18,11 +18,10 @@ from router.chain_client import Chain, ChainSession, StageEndpoint
 from router.server import RouterConfig, RouterServer
 from scheduler import placement
 from scheduler.server import print_plan
-from stage_server.batcher import BatcherConfig
-from stage_server.config import StageConfig, max_step_bytes, split_host_port
+from stage_server.config import BatcherConfig, StageConfig, max_step_bytes, split_host_port
 from stage_server.registration import Registration, RegistrationConfig
 from stage_server.server import StageServer
-from stagemesh import grpc_server, tensor_codec
+from stagemesh import grpc_server, tensor_codec, wire
 from stagemesh.checkpoint import ModelFootprint, model_fingerprint, serving_fingerprint, weight_files
 from stagemesh.discovery.backends import open_registry
 from stagemesh.discovery.chain_table import decode_chains
@@ -48,7 +47,7 @@ def other_connection(address: str) -> stage_pb2_grpc.StageStub:
 
 
 def step(session_id: str, ids: list[int], start: int = 0) -> stage_pb2.ForwardRequest:
-    return stage_pb2.ForwardRequest(session_id=session_id, start=start, token_ids=tensor_codec.encode_ids(ids))
+    return stage_pb2.ForwardRequest(session_id=session_id, start=start, token_ids=wire.encode_ids(ids))
 
 
 async def responses(call) -> list:

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from stage_server import sampling as sampling_module
-from stage_server.batcher import AGED_AFTER_PASSES, BatcherConfig, BatcherStopped, StepBatcher, StepRequest
+from stage_server.batcher import AGED_AFTER_PASSES, BatcherStopped, StepBatcher, StepRequest
+from stage_server.config import BatcherConfig
 from stage_server.kv_pool import KVPool
 from stage_server.loader import load_stage
 from stage_server.sampling import Sampling

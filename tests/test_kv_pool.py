@@ -14,7 +14,8 @@ from transformers import AutoModelForCausalLM
 
 from router.generation import GenerationConfig
 from stage_server import paged_attention
-from stage_server.batcher import BatcherConfig, StepBatcher, StepRequest
+from stage_server.batcher import StepBatcher, StepRequest
+from stage_server.config import BatcherConfig
 from stage_server.kv_pool import KVPool, PoolExhausted, Preempted
 from stage_server.loader import load_stage
 from stage_server.model import StageModel, StepSlice

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -165,3 +167,14 @@ def test_readme_layout_table_matches_the_tree():
     assert not missing, f"modules the README's layout table does not name: {missing}"
     assert not stale, f"the README's layout table names files that do not exist: {stale}"
     assert named  # the table was found and read
+
+
+def test_only_the_stage_imports_torch_and_transformers():
+    """The `stagemesh` command, the scheduler, the registry and `stagemesh up`'s supervisor never pay the stage's
+    torch and transformers imports (~4 s of a process's start on 2 cores); nor do the router's modules (its
+    tokenizer, loaded through transformers at start, still does)."""
+    probe = ("import sys, stagemesh.cli, router.server, scheduler.server, registry.service, stagemesh.launcher; "
+             "print(sorted({'torch', 'transformers'} & set(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

@@ -9,6 +9,7 @@ import torch
 from router.chain_client import Chain, ChainSession, Sampling, StageEndpoint
 from stage_server.loader import load_stage
 from stage_server.quantize import Int8WeightLinear, quantize
+from stagemesh import tensor_codec
 from tests.conftest import splits, start_mesh
 
 
@@ -17,7 +18,7 @@ async def last_logits(mesh, ids: list[int]) -> torch.Tensor:
     try:
         async with ChainSession(chain, 64, "quantize-test") as session:
             response = await session.step(ids, sampling=Sampling(), return_logits=True)
-            return response.logits
+            return tensor_codec.decode(response.logits)
     finally:
         for s in chain.stages:
             await s.close()

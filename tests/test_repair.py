@@ -16,7 +16,7 @@ import torch
 from router import repair
 from router.chain_client import Chain, ChainSession, Sampling, StageEndpoint
 from stage_server.output_log import LogBudget, OutputLog
-from stagemesh import grpc_server, tensor_codec
+from stagemesh import grpc_server, tensor_codec, wire
 from stagemesh.fault_mesh import FaultMesh
 from stagemesh.v1 import router_pb2, router_pb2_grpc, stage_pb2, stage_pb2_grpc
 from tests.conftest import hf_greedy, splits, start_mesh
@@ -102,7 +102,7 @@ async def test_a_repaired_chain_continues_exact(tiny_model, hf_models, dead, fai
                         assert cache.length == len(tokens)
                 else:
                     result = await session.step(feed, sampling=Sampling(), chunk_size=16, return_logits=True)
-                got.append(result.logits)
+                got.append(tensor_codec.decode(result.logits))
                 tokens.append(result.token_id)
                 feed = [result.token_id]
         await assert_repaired_exactly(hf_models["llama"], ids, tokens, got, mesh, dead)
@@ -147,7 +147,7 @@ async def test_the_output_log_is_its_openers_and_only_if_asked(twin):
     stub = twin.stage_stub(0, 0)
     await stub.OpenSession(keep)
     await stub.OpenSession(plain)
-    ids = stage_pb2.ForwardRequest(start=0, token_ids=tensor_codec.encode_ids([5, 6, 7]))
+    ids = stage_pb2.ForwardRequest(start=0, token_ids=wire.encode_ids([5, 6, 7]))
     call = stub.Forward()
     for sid in ("log-owner", "log-none"):
         ids.session_id = sid

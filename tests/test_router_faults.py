@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from router.chain_client import ChainSession, Progress, Sampling
 from router.generation import Backoff, GenerationConfig
 from router.server import RouterConfig, RouterServer
-from stage_server.batcher import BatcherConfig
+from stage_server.config import BatcherConfig
 from stage_server.kv_pool import PoolExhausted
 from stage_server.model import StageModel
 from stage_server.sessions import UnknownSession

@@ -11,7 +11,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from router.chains import STAGE_SERVICE
-from stagemesh import tensor_codec
+from stagemesh import wire
 from stagemesh.discovery.chain_table import PublishedChain, PublishedStage
 from stagemesh.v1 import router_pb2, stage_pb2
 from tests.conftest import collect, hf_greedy, splits, start_mesh
@@ -142,7 +142,7 @@ async def test_a_draining_stage_lets_its_streams_end_and_takes_no_new_session(ti
 
     def step(sid: str, start: int, ids: list[int]) -> stage_pb2.ForwardRequest:
         return stage_pb2.ForwardRequest(session_id=sid, start=start, sampling=greedy,
-                                        token_ids=tensor_codec.encode_ids(ids))
+                                        token_ids=wire.encode_ids(ids))
 
     for _ in range(4):
         own = await start_mesh(tiny_model, [splits(8)], router=False)

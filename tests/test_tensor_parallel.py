@@ -12,8 +12,7 @@ import torch
 from router.chain_client import Chain, ChainSession, Sampling, StageEndpoint
 from router.server import RouterConfig, RouterServer
 from stage_server import tensor_parallel
-from stage_server.batcher import BatcherConfig
-from stage_server.config import StageConfig
+from stage_server.config import BatcherConfig, StageConfig
 from stage_server.server import StageServer
 from stage_server.tensor_parallel import check_tp, rank_args, shard_of
 from stagemesh.checkpoint import ModelArgs, read_config

@@ -12,7 +12,7 @@ import pytest
 
 from router.generation import GenerationConfig
 from router.priority_queue import AdmissionConfig, ClassLimits
-from stage_server.batcher import BatcherConfig
+from stage_server.config import BatcherConfig
 from stagemesh.v1 import router_pb2, stage_pb2
 from tests.conftest import collect, hf_greedy, splits, start_mesh
 from tests.test_exactness import prompt

@@ -8,6 +8,7 @@ import torch
 from router.chain_client import Chain, ChainSession, Sampling, StageEndpoint
 from stagemesh import tensor_codec
 from stagemesh.v1 import stage_pb2
+from stagemesh.wire import encode_ids
 from tests.conftest import splits, start_mesh
 
 
@@ -39,13 +40,13 @@ async def test_wire_dtype_between_stages(tiny_model, wire, max_logit_error, byte
         for w in ("", wire):
             async with ChainSession(chain, 64, f"wire-{w}", wire_dtype=w) as session:
                 r = await session.step(ids, sampling=Sampling(), return_logits=True)
-                logits[w] = r.logits
+                logits[w] = tensor_codec.decode(r.logits)
         assert (logits[wire] - logits[""]).abs().max() <= max_logit_error
         first = mesh.stage_stub(0, 0)
         async with ChainSession(chain, 64, "bytes", wire_dtype=wire):
             await first.OpenSession(stage_pb2.OpenSessionRequest(session_id="probe", max_length=8))
             request = stage_pb2.ForwardRequest(session_id="probe", start=0, wire_dtype=wire,
-                                               token_ids=tensor_codec.encode_ids([5, 6]))
+                                               token_ids=encode_ids([5, 6]))
             async for response in first.Forward(iter([request])):
                 assert len(response.hidden.data) == 2 * 256 * bytes_per_value
     finally:
