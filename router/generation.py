@@ -34,7 +34,7 @@ CHAIN_FAULTS = frozenset({
 })
 SESSION_FAULTS = frozenset({
     grpc.StatusCode.INTERNAL,  # a step that failed alone on the stage
-    grpc.StatusCode.CANCELLED,  # the stage ended the stream (e.g. swapping its slice)
+    grpc.StatusCode.CANCELLED,  # on a call other than a step's (a step's is the stage stopping: call_status)
     grpc.StatusCode.NOT_FOUND,  # the session is gone (expired, stage restarted)
     grpc.StatusCode.ALREADY_EXISTS,
     grpc.StatusCode.FAILED_PRECONDITION,

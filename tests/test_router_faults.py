@@ -118,7 +118,7 @@ def _open_calls(stage) -> int:
 
 
 async def test_session_faults_move_the_stream_without_marking_the_chain_down(tiny_model, hf_models, monkeypatch):
-    """NOT_FOUND, ALREADY_EXISTS, FAILED_PRECONDITION or CANCELLED from a stage is this session's
+    """NOT_FOUND, ALREADY_EXISTS or FAILED_PRECONDITION from a stage is this session's
     trouble: the stream is replayed elsewhere (exact), and the chain stays usable."""
     mesh = await start_mesh(tiny_model, [splits(4, 4), splits(4, 4)])
     try:
