@@ -1,4 +1,5 @@
-"""The test harness itself: what it starts in this process, it stops, even when a start fails; the ports it hands out are distinct."""
+"""The test harness itself: what it starts in this process, it stops, even when a start fails; the ports it
+hands out are distinct."""
 
 from __future__ import annotations
 
