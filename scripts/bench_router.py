@@ -29,7 +29,6 @@ import math
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -44,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from stagemesh import grpc_server  # noqa: E402
 from stagemesh.checkpoint import model_fingerprint, serving_fingerprint  # noqa: E402
+from stagemesh.fault_mesh import free_port
 from stagemesh.launcher import READY, ensure_tiny_model, even_split, stage_env, wait_for_chains  # noqa: E402
 from stagemesh.v1 import router_pb2, router_pb2_grpc, stage_pb2, stage_pb2_grpc, tensor_pb2  # noqa: E402
 
@@ -208,12 +208,6 @@ def spawn(args: list[str]) -> tuple[subprocess.Popen, str]:
         if m := READY.search(line):
             return proc, m.group(2)
     raise RuntimeError(f"{args} did not start")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def router_histogram(metrics_port: int) -> dict[float, float]:

@@ -22,7 +22,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import statistics
 import sys
 import tempfile
@@ -35,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import grpc  # noqa: E402
 
 from stagemesh import grpc_server  # noqa: E402
+from stagemesh.fault_mesh import free_port
 from stagemesh.launcher import stage_env, wait_for_chains  # noqa: E402
 from stagemesh.processes import LocalMesh  # noqa: E402
 from stagemesh.tiny_model import make_tiny_model  # noqa: E402
@@ -96,12 +96,6 @@ def routed_counts(metrics_port: int) -> dict[str, float]:
             pairs = dict(p.split("=") for p in labels.split(","))
             counts[f"{pairs['class'].strip(chr(34))}/{pairs['path'].strip(chr(34))}"] = float(value)
     return counts
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def p90(values: list[float]) -> float:

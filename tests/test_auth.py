@@ -7,7 +7,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +19,7 @@ from prometheus_client import REGISTRY, generate_latest
 
 from router.auth import TokenBucket, parse_tokens
 from stagemesh import grpc_server
+from stagemesh.fault_mesh import free_port
 from stagemesh.launcher import LocalMesh, stage_env
 from stagemesh.log import JsonFormatter
 from stagemesh.v1 import router_pb2, router_pb2_grpc
@@ -226,12 +226,6 @@ def test_a_malformed_token_file_is_refused_without_showing_tokens(doc, message):
     with pytest.raises(ValueError, match=message) as err:
         parse_tokens(doc, "tokens.json")
     assert "0123456789abcdefg" not in str(err.value)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_sighup_reloads_the_tokens_of_a_router_process(tiny_model, tmp_path):
