@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ from stage_server.config import StageConfig  # noqa: E402
 from stage_server.server import StageServer  # noqa: E402
 from stagemesh import grpc_server, tensor_codec  # noqa: E402
 from stagemesh.tiny_model import make_tiny_model  # noqa: E402
-from stagemesh.v1 import router_pb2_grpc, stage_pb2_grpc  # noqa: E402
+from stagemesh.v1 import router_pb2_grpc, stage_pb2, stage_pb2_grpc  # noqa: E402
 
 FAMILIES = ("llama", "mistral", "qwen2")
 NUM_LAYERS = 8
@@ -74,6 +75,19 @@ class Mesh:
 
     def all_stages(self) -> list[StageServer]:
         return [s for chain in self.stages for s in chain]
+
+    async def settled_infos(self, within_s: float = 30.0) -> list[stage_pb2.StageInfo]:
+        """Every stage's Info (chain by chain) once none holds a session or a KV block, or as they are when
+        within_s runs out. A router closes a finished stream's sessions a moment after the stream ends (its
+        closes are batched), so a test that reads the stages right after its streams must wait for it."""
+        stubs = [self.stage_stub(c, i) for c, chain in enumerate(self.stages) for i in range(len(chain))]
+        deadline = asyncio.get_running_loop().time() + within_s
+        while True:
+            infos = [await stub.Info(stage_pb2.InfoRequest(), timeout=10) for stub in stubs]
+            idle = all(i.open_sessions == 0 and i.kv_blocks_used == 0 and i.kv_used_bytes == 0 for i in infos)
+            if idle or asyncio.get_running_loop().time() > deadline:
+                return infos
+            await asyncio.sleep(0.05)
 
     async def stop(self) -> None:
         for channel in self.channels:

@@ -249,8 +249,7 @@ async def test_streams_preempted_mid_stream_finish_exactly_and_free_every_block(
             assert ids == hf_greedy(hf_models["llama"], p, 40)
         stages = mesh.all_stages()
         assert sum(s.pool.preemptions for s in stages) >= 1  # the pool did run dry mid-stream
-        for i in range(2):
-            info = await mesh.stage_stub(0, i).Info(stage_pb2.InfoRequest())
+        for info in await mesh.settled_infos():
             assert (info.kv_blocks_used, info.open_sessions, info.kv_block_size) == (0, 0, 16)
             assert info.kv_blocks_total == 12
     finally:

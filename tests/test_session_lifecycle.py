@@ -28,23 +28,13 @@ async def open_sessions(mesh) -> list[int]:
     return [(await mesh.stage_stub(0, i).Info(stage_pb2.InfoRequest())).open_sessions for i in range(2)]
 
 
-async def wait_until_no_sessions(mesh, timeout: float = 5.0) -> list[int]:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while (counts := await open_sessions(mesh)) != [0, 0] and asyncio.get_running_loop().time() < deadline:
-        await asyncio.sleep(0.05)
-    return counts
-
-
 async def test_fifty_requests_leave_no_session_and_no_kv_in_use(mesh):
     stub = mesh.router_stub
     for batch in range(5):
         await asyncio.gather(*(
             collect(stub.Generate(router_pb2.GenerateRequest(token_ids=[7, 8, batch * 10 + i], max_new_tokens=6)))
             for i in range(10)))
-    assert await wait_until_no_sessions(mesh) == [0, 0]
-    for i in range(2):
-        info = await mesh.stage_stub(0, i).Info(stage_pb2.InfoRequest())
-        assert info.kv_used_bytes == 0
+    assert [(i.open_sessions, i.kv_used_bytes) for i in await mesh.settled_infos()] == [(0, 0), (0, 0)]
 
 
 async def test_cancelled_stream_frees_its_sessions(mesh):
@@ -53,7 +43,7 @@ async def test_cancelled_stream_frees_its_sessions(mesh):
         break  # the first token arrived: the sessions are open
     assert await open_sessions(mesh) == [1, 1]
     call.cancel()
-    assert await wait_until_no_sessions(mesh) == [0, 0]
+    assert [i.open_sessions for i in await mesh.settled_infos()] == [0, 0]
 
 
 async def test_deadline_ends_the_stream_and_frees_its_sessions(mesh):
@@ -61,7 +51,7 @@ async def test_deadline_ends_the_stream_and_frees_its_sessions(mesh):
         await collect(mesh.router_stub.Generate(
             router_pb2.GenerateRequest(token_ids=[5, 6, 7], max_new_tokens=1900), timeout=0.5))
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert await wait_until_no_sessions(mesh) == [0, 0]
+    assert [i.open_sessions for i in await mesh.settled_infos()] == [0, 0]
 
 
 async def test_idle_session_expires(tiny_model):

@@ -13,28 +13,13 @@ import pytest
 from router.generation import GenerationConfig
 from router.priority_queue import AdmissionConfig, ClassLimits
 from stage_server.config import BatcherConfig
-from stagemesh.v1 import router_pb2, stage_pb2
+from stagemesh.v1 import router_pb2
 from tests.conftest import collect, hf_greedy, splits, start_mesh
 from tests.test_exactness import prompt
 
 
 def request(ids: list[int], n: int, **kw) -> router_pb2.GenerateRequest:
     return router_pb2.GenerateRequest(token_ids=ids, max_new_tokens=n, **kw)
-
-
-async def stage_infos(mesh) -> list[stage_pb2.StageInfo]:
-    return [await mesh.stage_stub(c, i).Info(stage_pb2.InfoRequest())
-            for c, chain in enumerate(mesh.stages) for i in range(len(chain))]
-
-
-async def assert_all_sessions_closed(mesh, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        infos = await stage_infos(mesh)
-        if all(i.open_sessions == 0 and i.kv_used_bytes == 0 for i in infos) or time.monotonic() > deadline:
-            break
-        await asyncio.sleep(0.05)
-    assert [(i.open_sessions, i.kv_used_bytes) for i in infos] == [(0, 0)] * len(infos)
 
 
 async def test_sixteen_batched_sessions_equal_one_at_a_time(tiny_model, hf_models):
@@ -213,6 +198,6 @@ async def test_two_hundred_mixed_streams_complete_and_leave_nothing_behind(tiny_
         by_class = {p: [r[0] for r, q in zip(results, priorities, strict=True) if q == p] for p in (1, 0)}
         high, normal = statistics.median(by_class[1]), statistics.median(by_class[0])
         assert high <= 0.5 * normal, f"median time to first token: high {high:.3f}s, normal {normal:.3f}s"
-        await assert_all_sessions_closed(mesh)
+        assert [(i.open_sessions, i.kv_used_bytes) for i in await mesh.settled_infos()] == [(0, 0)] * 4
     finally:
         await mesh.stop()
