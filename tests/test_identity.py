@@ -86,6 +86,7 @@ async def test_a_session_is_stepped_and_closed_by_its_opener_only(tiny_model):
         await call.write(step("mine", [5, 6]))
         assert (await call.read()).HasField("token_id")  # the opener steps it
         await call.done_writing()
+        assert await call.code() == grpc.StatusCode.OK  # the stream's end closed "mine"
         await owner.OpenSession(stage_pb2.OpenSessionRequest(session_id="closable", max_length=16))
         await owner.CloseSession(stage_pb2.CloseSessionRequest(session_id="closable"))  # and closes it
         assert (await owner.Info(stage_pb2.InfoRequest())).open_sessions == 0
