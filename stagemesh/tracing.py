@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-from opentelemetry.instrumentation.grpc import GrpcAioInstrumentorClient, GrpcAioInstrumentorServer
+from opentelemetry.instrumentation.grpc import GrpcAioInstrumentorClient, GrpcAioInstrumentorServer, filters
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
@@ -37,7 +37,12 @@ def setup_tracing(service: str, endpoint: str | None, exporter: SpanExporter | N
         provider.add_span_processor(SimpleSpanProcessor(exporter))
     else:
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint, insecure=True)))
-    for instrumentor in (GrpcAioInstrumentorServer(), GrpcAioInstrumentorClient()):
+    # Health calls are not traced: probes every few seconds would bury the requests' traces, and
+    # OpenTelemetry's server wrapper iterates every response stream, which grpc's Health/Watch (a
+    # coroutine that writes) is not: traced, every Watch failed UNKNOWN.
+    untraced_health = filters.negate(filters.health_check())
+    for instrumentor in (GrpcAioInstrumentorServer(filter_=untraced_health),
+                         GrpcAioInstrumentorClient(filter_=untraced_health)):
         instrumentor.instrument(tracer_provider=provider)
         _instruments.append(instrumentor)
     return True
