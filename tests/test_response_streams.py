@@ -1,9 +1,10 @@
 """Response streams on every stagemesh server, with tracing on and off. A handler cleans up when its call
 ends, however it ends: the router gives back a caller's admission slot and a stage closes a stream's
-sessions in their handlers' `finally`, and grpc.aio iterates a handler's generator without ever closing
-it, so a caller that cancels while the server waits in a write relies on the wrapper that does
-(errors.StatusInterceptor). And grpc's own Health/Watch, a coroutine that writes, answers. Real servers
-on loopback."""
+sessions in their handlers' `finally`. grpc.aio iterates a handler's generator and never closes it: a
+caller that cancels while the server waits in a write leaves the outermost wrapper suspended, which asyncio
+closes as soon as grpc lets go of it, and each wrapper closes the generator it wraps (errors.
+StatusInterceptor's, router/auth's, the router's Generate). And grpc's own Health/Watch, a coroutine that
+writes, answers. Real servers on loopback."""
 
 from __future__ import annotations
 
