@@ -162,6 +162,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         # Bounded: a caller that reads slowly holds its prompts' streams back instead of the router
         # buffering their tokens.
         out: asyncio.Queue[router_pb2.GenerateBatchResponse | None] = asyncio.Queue(maxsize=64)
+        abandoned = False  # the call ended: nobody reads `out` any more
 
         async def run(index: int, sub: router_pb2.GenerateRequest) -> None:
             try:
@@ -179,7 +180,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
                     index=index, error_code=grpc.StatusCode.INTERNAL.value[0],
                     error_message=f"request {index}: internal error in the router; it logged it"))
             finally:
-                await out.put(None)  # this prompt is done
+                if not abandoned:  # a full queue nobody reads would hold this task forever
+                    await out.put(None)  # this prompt is done
 
         # Each prompt runs as its own stream; the chain picker spreads them over all usable chains.
         tasks = [asyncio.ensure_future(run(i, sub)) for i, sub in enumerate(request.requests)]
@@ -192,6 +194,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 else:
                     yield item
         finally:
+            abandoned = True
             for t in tasks:
                 t.cancel()
 

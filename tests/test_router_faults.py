@@ -10,6 +10,7 @@ import time
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client import REGISTRY
 
 from router.chain_client import ChainSession, Progress, Sampling
 from router.generation import Backoff, GenerationConfig
@@ -338,4 +339,43 @@ async def test_a_step_behind_another_callers_long_prefill_is_slow_not_hung(tiny_
         await a_stream_with_two_long_prompts_in_its_way(stub, hf_models["llama"], seed=91)
         assert chain.healthy
     finally:
+        await mesh.stop()
+
+
+def batch_tasks() -> list[asyncio.Task]:
+    """The router's tasks that run a GenerateBatch's prompts (one each)."""
+    return [t for t in asyncio.all_tasks() if "GenerateBatch" in t.get_coro().__qualname__]
+
+
+def tokens_streamed() -> float:
+    return REGISTRY.get_sample_value("stagemesh_router_tokens_total") or 0.0
+
+
+async def test_a_batch_caller_that_stops_reading_and_leaves_ends_every_prompt_of_it(tiny_model):
+    """8 prompts of 400 tokens to a caller that reads nothing: flow control stops the router's writes,
+    its queue of entries fills, and every prompt waits to add one; then the caller cancels. Every
+    prompt's task ends (none waits forever to announce its end to nobody) and every session closes."""
+    mesh = await start_mesh(tiny_model, [splits(8)])
+    # No window growth: the caller's 64 KiB window holds ~1,600 entries of the 3,200.
+    channel = grpc.aio.insecure_channel(mesh.router.address, options=[("grpc.http2.bdp_probe", 0)])
+    try:
+        batch = router_pb2.GenerateBatchRequest(requests=[request(prompt(8, seed=i), 400) for i in range(8)])
+        call = router_pb2_grpc.RouterStub(channel).GenerateBatch(batch, timeout=120)
+        last, still = -1.0, 0
+        for _ in range(600):  # until no token has come for a second (at most 60 s)
+            await asyncio.sleep(0.1)
+            still = still + 1 if tokens_streamed() == last and batch_tasks() else 0
+            last = tokens_streamed()
+            if still >= 10:
+                break
+        assert still >= 10 and len(batch_tasks()) == 8, "the prompts did not all stop for the caller"
+        call.cancel()
+        for _ in range(300):
+            if not batch_tasks():
+                break
+            await asyncio.sleep(0.1)
+        assert not batch_tasks()
+        assert [i.open_sessions for i in await mesh.settled_infos()] == [0]
+    finally:
+        await channel.close()
         await mesh.stop()
