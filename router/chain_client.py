@@ -87,7 +87,7 @@ CLOSE_TIMEOUT_S = 0.5
 _closing: set[asyncio.Task] = set()
 
 
-def _background(coro) -> None:
+def background(coro) -> None:
     """Runs coro without waiting for it (a strong reference keeps it alive until done)."""
     task = asyncio.get_running_loop().create_task(coro)
     _closing.add(task)
@@ -271,7 +271,7 @@ class ChainSession:
         answered = {id(self.chain.stages[i]) for i in self._answered}
         unsure = [s for s in self._opened if id(s) not in answered]
         if unsure:
-            _background(self._close_sessions([s.stub for s in unsure]))
+            background(self._close_sessions([s.stub for s in unsure]))
         self._opened.clear()
         self._answered.clear()
 

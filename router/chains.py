@@ -10,7 +10,7 @@ from collections.abc import Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from router.chain_client import Chain, StageEndpoint
+from router.chain_client import Chain, StageEndpoint, background
 from stagemesh import metrics
 from stagemesh.checkpoint import FINGERPRINT_DIGEST_CHARS, fingerprint_digest
 from stagemesh.discovery.chain_table import chain_kind, tp_width
@@ -125,7 +125,7 @@ class ChainSet:
         if chain.withdrawn and chain.in_flight == 0:
             self._withdrawn.pop(chain.chain_id, None)
             for stage in chain.stages:
-                asyncio.get_running_loop().create_task(stage.close())
+                background(stage.close())
 
     def usable(self) -> list[Chain]:
         return [c for c in self.chains if c.healthy]

@@ -22,7 +22,7 @@ import secrets
 
 import grpc
 
-from router.chain_client import ChainSession, StageEndpoint, StepResult, _background
+from router.chain_client import ChainSession, StageEndpoint, StepResult, background
 from router.chains import ChainSet
 from router.forwarding import ForwardingSession, deadline_exceeded
 from router.session_mux import REROUTED, mux_of
@@ -68,7 +68,7 @@ async def repair(session: ChainSession, stage: StageEndpoint, history: list[int]
     dead = session.chain.stages[index]
     session._streams[index].cancel()
     session._opened = [s for s in session._opened if s is not dead]
-    _background(session._close_sessions([dead.stub]))  # a hung stage may still hold it
+    background(session._close_sessions([dead.stub]))  # a hung stage may still hold it
     stages = list(session.chain.stages)
     stages[index] = stage
     session.chain = dataclasses.replace(session.chain, stages=stages, chain_id=f"{session.chain.chain_id}~repaired")

@@ -12,6 +12,7 @@ from pathlib import Path
 import grpc
 
 from router.auth import AuthInterceptor, TokenAuth
+from router.chain_client import background
 from router.chain_watch import follow_chains
 from router.chains import ChainSet, parse_chain
 from router.generation import GenerationConfig
@@ -166,7 +167,7 @@ class RouterServer:
         # SERVING only while at least one whole chain can serve.
         self.admission.capacity_changed()
         metrics.USABLE_CHAINS.set(len(self.chains.usable()))
-        asyncio.get_running_loop().create_task(grpc_server.set_serving(self.health, [SERVICE_NAME], serving))
+        background(grpc_server.set_serving(self.health, [SERVICE_NAME], serving))
 
     async def start(self) -> None:
         # NOT_SERVING (health's own default for "" is SERVING) until a first check finds a whole chain.
