@@ -27,6 +27,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import psutil
 import torch
 
 NULL_BLOCK = 0
@@ -35,6 +36,10 @@ NULL_BLOCK = 0
 
 class PoolExhausted(RuntimeError):
     """The pool has no room for the session; retry elsewhere or later."""
+
+
+class PoolTooLarge(ValueError):
+    """The pool asked for (--kv-cache-gb) is more than the device can hold: a configuration error."""
 
 
 class Preempted(PoolExhausted):
@@ -66,6 +71,11 @@ class KVPool:
         self.block_bytes = 2 * num_layers * num_kv_heads * block_size * head_dim * itemsize
         self.num_blocks = max(2, capacity_bytes // self.block_bytes)  # block 0 is the null block
         slots = self.num_blocks * block_size
+        available = psutil.virtual_memory().available
+        if self.device.type == "cpu" and self.num_blocks * self.block_bytes > available:
+            raise PoolTooLarge(f"a KV pool of {capacity_bytes / 2**30:.1f} GiB is more than the "
+                               f"{available / 2**30:.1f} GiB of memory available on this host; start the stage "
+                               "with a smaller --kv-cache-gb (or none: a quarter of what is available)")
         try:
             # k, v: [num_layers_in_stage, num_blocks * block_size, num_kv_heads, head_dim]; slot = block * bs + offset.
             # Slot-major: a position's K (or V) for every kv head is one row, a block one run of memory, which the
@@ -73,8 +83,8 @@ class KVPool:
             self.k = torch.empty(num_layers, slots, num_kv_heads, head_dim, dtype=dtype, device=self.device)
             self.v = torch.empty_like(self.k)
         except (torch.OutOfMemoryError, MemoryError, RuntimeError) as exc:
-            raise PoolExhausted(f"the device could not hold a KV pool of {capacity_bytes} bytes "
-                                f"({type(exc).__name__}); start the stage with a smaller --kv-cache-gb") from exc
+            raise PoolTooLarge(f"the device could not hold a KV pool of {capacity_bytes / 2**30:.1f} GiB "
+                               f"({type(exc).__name__}); start the stage with a smaller --kv-cache-gb") from None
         self.k[:, :block_size].zero_()
         self.v[:, :block_size].zero_()
         self.free: list[int] = list(range(self.num_blocks - 1, NULL_BLOCK, -1))  # pop() gives the lowest

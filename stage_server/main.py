@@ -21,9 +21,13 @@ async def serve(config: StageConfig) -> None:
     metrics.serve_metrics(config.metrics_port, config.host)
     server = StageServer(config)
     model = None
-    if config.layer_start is not None:
-        model = await server.in_compute(server.load, config.layer_start, config.layer_end)
-    await server.start(model)
+    try:
+        if config.layer_start is not None:
+            model = await server.in_compute(server.load, config.layer_start, config.layer_end)
+        await server.start(model)
+    except BaseException:  # e.g. a --kv-cache-gb the host cannot hold: the caller says why, in one line
+        await server.stop(0)  # a grpc.aio server left to the interpreter's exit fails there, its loop gone
+        raise
     registration = None
     if config.registry:
         budget = int(config.memory_gb * 2**30) if config.memory_gb else psutil.virtual_memory().available

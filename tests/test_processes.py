@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
 import grpc
+import psutil
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from safetensors import safe_open
@@ -119,3 +122,16 @@ def test_up_with_int8_weights_plans_the_asked_stages_and_serves(tiny_model, tmp_
         assert held < 0.45 * ModelFootprint.from_model_dir(tiny_model).total_bytes  # int8, not float32
     finally:
         mesh.stop()
+
+
+def test_a_kv_pool_larger_than_the_hosts_memory_is_refused_in_one_line(tiny_model):
+    """More --kv-cache-gb than the host has free: the stage exits 2 naming the flag, before serving (a pool
+    the kernel lets it reserve but cannot back would be an out-of-memory kill once sessions fill it)."""
+    too_much = 1.5 * psutil.virtual_memory().available / 2**30
+    proc = subprocess.run([sys.executable, "-m", "stagemesh.cli", "stage", "--model", str(tiny_model),
+                           "--layers", "0:8", "--port", "0", "--kv-cache-gb", f"{too_much:.1f}"],
+                          capture_output=True, text=True, timeout=120, env=stage_env(1))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "--kv-cache-gb" in proc.stderr and "available" in proc.stderr
+    assert "Traceback" not in proc.stderr and "Event loop is closed" not in proc.stderr, proc.stderr[-3000:]
+    assert "stage ready" not in proc.stdout
