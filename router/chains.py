@@ -179,24 +179,32 @@ class ChainSet:
         serve one build of the router's own model. Also records the stages' load, which pick() weighs.
         None: a stage did not answer in time, which alone proves nothing (a busy host, a paused event
         loop); refresh() needs it twice."""
+        infos = []
         try:
-            infos = []
             for stage in chain.stages:
                 reply = await health_pb2_grpc.HealthStub(stage.channel).Check(
                     health_pb2.HealthCheckRequest(service=STAGE_SERVICE), timeout=timeout
                 )
                 if reply.status != health_pb2.HealthCheckResponse.SERVING:
+                    self._problem(chain, f"stage {stage.address} is NOT_SERVING (loading its layers, draining, "
+                                         "or waiting for the scheduler to assign it a range)")
                     return False
                 infos.append(await stage_pb2_grpc.StageStub(stage.channel).Info(stage_pb2.InfoRequest(),
                                                                                timeout=timeout))
             self._check_identity(chain, infos)
             self._check_layers(chain, infos)
         except grpc.RpcError as exc:
-            return None if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED else False
-        except ValueError as exc:
-            if str(exc) != chain.problem:  # once, not at every check
-                log.error(f"{exc}: not using it", extra={"chain": chain.chain_id})
-                chain.problem = str(exc)
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                return None
+            stage = chain.stages[len(infos)]  # the one that did not answer
+            if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNIMPLEMENTED):
+                why = f"it does not serve {STAGE_SERVICE} (not a stage server?)"
+            else:
+                why = f"{exc.code().name}: {exc.details()}"
+            self._problem(chain, f"stage {stage.address}: {why}")
+            return False
+        except ValueError as exc:  # a chain that is wrong, not just down: an error
+            self._problem(chain, str(exc), logging.ERROR)
             return False
         if chain.problem:
             log.info(f"chain {chain.chain_id} ({chain.label}) passes its checks again", extra={"chain": chain.chain_id})
@@ -213,6 +221,13 @@ class ChainSet:
                             f"go through it in chunks of {budget}, not --prefill-chunk {self.prefill_chunk}",
                             extra={"chain": chain.chain_id})
         return True
+
+    def _problem(self, chain: Chain, why: str, level: int = logging.WARNING) -> None:
+        """Records why chain is unusable (ListChains shows it); logged once, not at every check."""
+        if why != chain.problem:
+            log.log(level, f"chain {chain.chain_id} ({chain.label}) is not usable: {why}",
+                    extra={"chain": chain.chain_id})
+            chain.problem = why
 
     def _check_identity(self, chain: Chain, infos: list[stage_pb2.StageInfo]) -> None:
         """One model, one truth: every stage serves the same build (fingerprint), of the router's model."""

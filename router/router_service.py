@@ -211,6 +211,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                     kind=kind(c),
                     tp_width=width(c),
                     length_class=self.chains.length_class_of(c),
+                    problem=c.problem,
                     stages=[router_pb2.StageRef(address=s.address, layer_start=s.layer_start,
                                                 layer_end=s.layer_end) for s in c.stages],
                 )

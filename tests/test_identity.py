@@ -309,6 +309,8 @@ async def test_router_refuses_a_static_chain_that_mixes_builds_or_serves_another
             stub = router_pb2_grpc.RouterStub(channel)
             listing = await stub.ListChains(router_pb2.ListChainsRequest())
             assert [c.fingerprint for c in listing.chains] == [c.fingerprint for c in chains]
+            assert "mixes builds" in listing.chains[0].problem and "not this router's" in listing.chains[1].problem
+            assert listing.chains[2].problem == ""
             ids = [4, 5, 6]
             got, _, _ = await collect(stub.Generate(router_pb2.GenerateRequest(token_ids=ids, max_new_tokens=4)))
             assert got == hf_greedy(hf_models["llama"], ids, 4)

@@ -18,9 +18,11 @@ from router.server import RouterConfig, RouterServer
 from stage_server.config import BatcherConfig
 from stage_server.kv_pool import PoolExhausted
 from stage_server.model import StageModel
+from stage_server.server import SERVICE_NAME as STAGE_SERVICE
 from stage_server.sessions import UnknownSession
 from stagemesh import grpc_server, metrics
 from stagemesh.errors import StatusError
+from stagemesh.fault_mesh import free_ports
 from stagemesh.link_proxy import LinkProxy
 from stagemesh.v1 import router_pb2, router_pb2_grpc, stage_pb2
 from tests.conftest import collect, hf_greedy, splits, start_mesh
@@ -378,4 +380,41 @@ async def test_a_batch_caller_that_stops_reading_and_leaves_ends_every_prompt_of
         assert [i.open_sessions for i in await mesh.settled_infos()] == [0]
     finally:
         await channel.close()
+        await mesh.stop()
+
+
+async def test_list_chains_says_why_each_unusable_chain_is_down(tiny_model):
+    """Chains that name a dead port, a gRPC server that is no stage, a stage still loading (NOT_SERVING) and
+    a half of the model: ListChains says, for each, which stage and why, and nothing for the chain that
+    serves; the router logs each reason once."""
+    mesh = await start_mesh(tiny_model, [splits(8), splits(4), splits(8)], router=False)
+    loading = mesh.stages[2][0]
+    await grpc_server.set_serving(loading.health, [STAGE_SERVICE], False)  # as while it loads or drains
+    not_a_stage = grpc_server.new_server()
+    grpc_server.add_health_and_reflection(not_a_stage, ["elsewhere.v1.Other"])
+    not_a_stage_port = grpc_server.bind(not_a_stage, "127.0.0.1", 0)
+    await not_a_stage.start()
+    [dead_port] = free_ports(1)
+    whole, half = mesh.stages[0][0].address, mesh.stages[1][0].address
+    specs = {"serves": whole, "dead": f"127.0.0.1:{dead_port}", "not a stage": f"127.0.0.1:{not_a_stage_port}",
+             "loading": loading.address, "half": half}
+    try:
+        mesh.router = RouterServer(RouterConfig(model=str(tiny_model), chains=list(specs.values()), port=0,
+                                                health_interval_s=0.2))
+        await mesh.router.start()
+        stub = mesh.router_stub
+        for _ in range(300):  # every chain checked at least once (a dead port can take a connect timeout)
+            listed = {c.stages[0].address: c for c in (await stub.ListChains(router_pb2.ListChainsRequest())).chains}
+            if all(c.problem for a, c in listed.items() if a != whole) and listed[whole].healthy:
+                break
+            await asyncio.sleep(0.1)
+        problems = {name: listed[address].problem for name, address in specs.items()}
+        assert problems["serves"] == "" and listed[whole].healthy
+        assert all(specs[name] in problems[name] for name in specs if name != "serves"), problems
+        assert "UNAVAILABLE" in problems["dead"]
+        assert "stagemesh.v1.Stage" in problems["not a stage"]
+        assert "NOT_SERVING" in problems["loading"]
+        assert "covers layers 0:4 of 8" in problems["half"]
+    finally:
+        await not_a_stage.stop(0)
         await mesh.stop()

@@ -87,7 +87,7 @@ class StageRef(_message.Message):
     def __init__(self, address: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ...) -> None: ...
 
 class Chain(_message.Message):
-    __slots__ = ("chain_id", "stages", "healthy", "in_flight", "fingerprint", "kind", "tp_width", "length_class")
+    __slots__ = ("chain_id", "stages", "healthy", "in_flight", "fingerprint", "kind", "tp_width", "length_class", "problem")
     CHAIN_ID_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +96,7 @@ class Chain(_message.Message):
     KIND_FIELD_NUMBER: _ClassVar[int]
     TP_WIDTH_FIELD_NUMBER: _ClassVar[int]
     LENGTH_CLASS_FIELD_NUMBER: _ClassVar[int]
+    PROBLEM_FIELD_NUMBER: _ClassVar[int]
     chain_id: str
     stages: _containers.RepeatedCompositeFieldContainer[StageRef]
     healthy: bool
@@ -104,7 +105,8 @@ class Chain(_message.Message):
     kind: str
     tp_width: int
     length_class: str
-    def __init__(self, chain_id: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StageRef, _Mapping]]] = ..., healthy: _Optional[bool] = ..., in_flight: _Optional[int] = ..., fingerprint: _Optional[str] = ..., kind: _Optional[str] = ..., tp_width: _Optional[int] = ..., length_class: _Optional[str] = ...) -> None: ...
+    problem: str
+    def __init__(self, chain_id: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StageRef, _Mapping]]] = ..., healthy: _Optional[bool] = ..., in_flight: _Optional[int] = ..., fingerprint: _Optional[str] = ..., kind: _Optional[str] = ..., tp_width: _Optional[int] = ..., length_class: _Optional[str] = ..., problem: _Optional[str] = ...) -> None: ...
 
 class ListChainsResponse(_message.Message):
     __slots__ = ("model", "chains", "plan")
