@@ -111,7 +111,8 @@ class Chain:
     max_batch_tokens: int = 0  # the smallest pass budget of its stages, as reported (0: not known yet)
     late_checks: int = 0  # health checks in a row that got no answer in time
     fingerprint: str = ""  # what its stages serve (published, then as they report it)
-    problem: str = ""  # why its last check found it unusable (logged once, in ListChains), "" when it passed
+    problem: str = ""  # why its last check found it unusable (in ListChains), "" when it passed
+    problem_key: str = ""  # what of it was logged last: each problem is logged once, not at every check
     withdrawn: bool = False  # no longer published: its channels close when its last stream ends
 
     @property

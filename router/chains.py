@@ -201,14 +201,15 @@ class ChainSet:
                 why = f"it does not serve {STAGE_SERVICE} (not a stage server?)"
             else:
                 why = f"{exc.code().name}: {exc.details()}"
-            self._problem(chain, f"stage {stage.address}: {why}")
+            # Logged once per stage and code: grpc's details of a dead address vary from one attempt to the next.
+            self._problem(chain, f"stage {stage.address}: {why}", key=f"{stage.address} {exc.code().name}")
             return False
         except ValueError as exc:  # a chain that is wrong, not just down: an error
             self._problem(chain, str(exc), logging.ERROR)
             return False
         if chain.problem:
             log.info(f"chain {chain.chain_id} ({chain.label}) passes its checks again", extra={"chain": chain.chain_id})
-            chain.problem = ""
+            chain.problem = chain.problem_key = ""
         chain.queued_steps = max(i.queued_steps for i in infos)
         chain.kv_free_bytes = min(i.kv_capacity_bytes - i.kv_used_bytes for i in infos)
         chain.step_ms = max(i.step_ms for i in infos)
@@ -222,12 +223,14 @@ class ChainSet:
                             extra={"chain": chain.chain_id})
         return True
 
-    def _problem(self, chain: Chain, why: str, level: int = logging.WARNING) -> None:
-        """Records why chain is unusable (ListChains shows it); logged once, not at every check."""
-        if why != chain.problem:
+    def _problem(self, chain: Chain, why: str, level: int = logging.WARNING, key: str = "") -> None:
+        """Records why chain is unusable (ListChains shows it); logged once per key (default: why), not at
+        every check."""
+        if (key or why) != chain.problem_key:
             log.log(level, f"chain {chain.chain_id} ({chain.label}) is not usable: {why}",
                     extra={"chain": chain.chain_id})
-            chain.problem = why
+            chain.problem_key = key or why
+        chain.problem = why
 
     def _check_identity(self, chain: Chain, infos: list[stage_pb2.StageInfo]) -> None:
         """One model, one truth: every stage serves the same build (fingerprint), of the router's model."""
