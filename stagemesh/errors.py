@@ -8,10 +8,12 @@ that log line, never the exception's text (which may hold paths, tensors or othe
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import inspect
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -131,6 +133,7 @@ def _stream_response(behavior: Callable, call: _Call) -> Callable:
 
     async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         responses = behavior(request, context)
+        context.add_done_callback(lambda _: _close_soon(responses))
         try:
             async for response in responses:
                 yield response
@@ -144,3 +147,23 @@ def _stream_response(behavior: Callable, call: _Call) -> Callable:
             await responses.aclose()
 
     return wrapped
+
+
+_closing: set[asyncio.Task] = set()
+
+
+def _close_soon(responses: AsyncGenerator) -> None:
+    """Closes a handler's generator once its call has ended. grpc.aio iterates the outermost wrapper and
+    never closes it: a call cancelled while the server waits in a write leaves the wrappers suspended, and
+    the handler's cleanup (the router's admission slot, a stage's stream sessions) waits for whatever frees
+    them, the garbage collector when they sit in a reference cycle (seen: a router slot held > 10 s)."""
+    with contextlib.suppress(RuntimeError):  # no running loop: the server is gone with it
+        task = asyncio.get_running_loop().create_task(_aclose(responses))
+        _closing.add(task)
+        task.add_done_callback(_closing.discard)
+
+
+async def _aclose(responses: AsyncGenerator) -> None:
+    # RuntimeError: it is running (a cancelled call unwinding through it closes it itself).
+    with contextlib.suppress(Exception):
+        await responses.aclose()
