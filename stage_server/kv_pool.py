@@ -71,8 +71,8 @@ class KVPool:
         self.block_bytes = 2 * num_layers * num_kv_heads * block_size * head_dim * itemsize
         self.num_blocks = max(2, capacity_bytes // self.block_bytes)  # block 0 is the null block
         slots = self.num_blocks * block_size
-        available = psutil.virtual_memory().available
-        if self.device.type == "cpu" and self.num_blocks * self.block_bytes > available:
+        available = psutil.virtual_memory().available if self.device.type == "cpu" else None
+        if available is not None and self.num_blocks * self.block_bytes > available:
             raise PoolTooLarge(f"a KV pool of {capacity_bytes / 2**30:.1f} GiB is more than the "
                                f"{available / 2**30:.1f} GiB of memory available on this host; start the stage "
                                "with a smaller --kv-cache-gb (or none: a quarter of what is available)")
