@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from router.stage_faults import call_status, stage_error
 from stagemesh import grpc_server, metrics
 from stagemesh.errors import REQUEST_ID_KEY
 from stagemesh.tls import Tls
@@ -148,30 +149,6 @@ class Progress:
                 + self.passes * chain.pass_ms / 1000)
 
 
-def stage_error(code: grpc.StatusCode, stage: StageEndpoint, details: str) -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                details=f"stage {stage.address}: {details}")
-
-
-CALL_BROKE = "Internal error from Core"
-"""The details of grpc.aio's own INTERNAL for a call whose write or read failed in the client because the
-connection ended under it (a stage stopped while the router was writing to it): the call takes that status
-in place of the one the stage's end would have given."""
-
-
-def call_status(code: grpc.StatusCode, details: str) -> tuple[grpc.StatusCode, str]:
-    """A stage call's end as the router reads it: a call that broke under grpc's client (CALL_BROKE) is the
-    stage or its link gone, UNAVAILABLE, not INTERNAL, which says a step failed alone on a live stage. So is a
-    CANCELLED: a stage never ends a call with it, grpc does, when the server shuts down with the call in flight
-    ("Cancelling all calls", or plain "CANCELLED" when the stream's reset comes first; seen under load) — and
-    the router's own cancellations never come back as a status."""
-    if code == grpc.StatusCode.INTERNAL and details == CALL_BROKE:
-        return grpc.StatusCode.UNAVAILABLE, "the call broke: the stage or its link went away"
-    if code == grpc.StatusCode.CANCELLED:
-        return grpc.StatusCode.UNAVAILABLE, f"the stage cancelled the call ({details}): it is shutting down"
-    return code, details
-
-
 class ChainSession:
     """One request's inference session on every stage of a chain.
 
@@ -181,8 +158,12 @@ class ChainSession:
 
     def __init__(self, chain: Chain, max_length: int, request_id: str, deadline: float | None = None,
                  wire_dtype: str = "", progress: Progress | None = None, sampling: Sampling | None = None,
-                 keep_output: bool = False):
+                 keep_output: bool = False, prefix_ids: list[int] | None = None):
         self.chain = chain
+        # Prefix caching: what the session starts with (all but the last token it will be stepped with), told
+        # every stage at open; each attaches what it has cached of it, and the session starts at the least.
+        self.prefix_ids = prefix_ids or []
+        self.attached = 0  # positions every stage attached from its prefix cache at open
         self.keep_output = keep_output  # stages log what they send on, so that one stage can be repaired
         self.sampling = sampling or Sampling()  # told the last stage once, at open; a step may ask otherwise
         self.progress = progress or Progress()
@@ -218,22 +199,42 @@ class ChainSession:
         else:
             request.wire_dtype = self.wire_dtype
             request.keep_output = self.keep_output
+        if self.prefix_ids:
+            request.prefix_ids.extend(self.prefix_ids)
+            request.prefix_salt = self.prefix_salt(index)
         return request
 
-    async def _open(self, index: int) -> None:
+    def prefix_salt(self, index: int) -> str:
+        """What stage index's inputs depend on besides the tokens: the model version, the wire dtype and the
+        stages before it (their addresses and layers); its cached blocks are shared under the same salt only."""
+        before = ",".join(f"{s.address}[{s.layer_start}:{s.layer_end}]" for s in self.chain.stages[:index])
+        return f"{self.chain.fingerprint}|{self.wire_dtype if index else ''}|{before}"
+
+    def _attached(self, cached: list[int]) -> None:
+        """After the opens: the session starts where every stage has its positions (stages that attached more
+        let go of the rest at the first step); a later open (a repair's) attaches nothing."""
+        self.attached = self.position = min(cached)
+        self.reached = [self.position] * len(self.chain.stages)
+        self.prefix_ids = []
+        if self.attached:
+            metrics.PREFIX_HIT_TOKENS.inc(self.attached)
+
+    async def _open(self, index: int) -> int:
+        """Opens the session on stage index; the positions it attached from its prefix cache."""
         stage = self.chain.stages[index]
         limit = self.progress.timeout(self.chain, 1)
         timeout = self._timeout()
         try:
-            await stage.stub.OpenSession(self._open_request(index),
-                                         timeout=limit if timeout is None else min(limit, timeout),
-                                         metadata=((REQUEST_ID_KEY, self.request_id),))
+            opened = await stage.stub.OpenSession(self._open_request(index),
+                                                  timeout=limit if timeout is None else min(limit, timeout),
+                                                  metadata=((REQUEST_ID_KEY, self.request_id),))
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and (timeout is None or limit < timeout):
-                raise stage_error(grpc.StatusCode.UNAVAILABLE, stage,
+                raise stage_error(grpc.StatusCode.UNAVAILABLE, stage.address,
                                    f"no answer to OpenSession in {limit:.1f}s: hung or unreachable") from None
             raise
         self._opened.append(stage)
+        return opened.cached_positions
 
     def _stream(self, stage: StageEndpoint) -> grpc.aio.StreamStreamCall:
         return stage.stub.Forward(timeout=self._timeout(), metadata=((REQUEST_ID_KEY, self.request_id),))
@@ -251,6 +252,7 @@ class ChainSession:
             for result in results:
                 if isinstance(result, BaseException):
                     raise result
+            self._attached(results)
             await self._open_streams()
         except BaseException:
             await self.close()
@@ -318,19 +320,19 @@ class ChainSession:
         except grpc.aio.AioRpcError as exc:
             self.failed_stage = index
             code, details = call_status(exc.code(), exc.details())
-            raise stage_error(code, stage, details) from None
+            raise stage_error(code, stage.address, details) from None
         except TimeoutError:
             self.failed_stage = index
             call.cancel()
             metrics.STEP_TIMEOUTS.inc()
-            raise stage_error(grpc.StatusCode.UNAVAILABLE, stage,
+            raise stage_error(grpc.StatusCode.UNAVAILABLE, stage.address,
                                f"no progress on a {tokens}-token step in {limit:.1f}s: hung or unreachable") from None
         if response is grpc.aio.EOF:
             code, details = call_status(await call.code(), await call.details())
             if code == grpc.StatusCode.OK:
                 code, details = grpc.StatusCode.UNAVAILABLE, "ended the stream"
             self.failed_stage = index
-            raise stage_error(code, stage, details)
+            raise stage_error(code, stage.address, details)
         self._answered.add(index)  # it holds the session on this stream: it closes there when the stream ends
         return response
 

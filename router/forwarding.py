@@ -15,8 +15,9 @@ import time
 
 import grpc
 
-from router.chain_client import ChainSession, Sampling, stage_error
+from router.chain_client import ChainSession, Sampling
 from router.session_mux import StageMux, mux_of
+from router.stage_faults import stage_error
 from stagemesh import metrics, tracing
 from stagemesh.v1 import stage_pb2
 
@@ -75,13 +76,14 @@ class ForwardingSession(ChainSession):
         except TimeoutError:
             if timeout is not None and timeout <= limit:
                 raise deadline_exceeded() from None
-            raise stage_error(grpc.StatusCode.UNAVAILABLE, self.chain.stages[min(waiting)],
+            raise stage_error(grpc.StatusCode.UNAVAILABLE, self.chain.stages[min(waiting)].address,
                                f"no answer to OpenSession in {limit:.1f}s: hung or unreachable") from None
         finally:
             for span in spans:
                 span.end()
         if faults:
             raise faults[min(faults)]
+        self._attached([mux.cached.pop(self.session_id, 0) for mux in self._muxes])
 
     async def close(self) -> None:
         # Nothing waited on: a close rides the next batch (or the stream's end closes the session there).

@@ -137,11 +137,13 @@ async def generate(
         chunk = chain.prefill_chunk(config.prefill_chunk)
         try:
             session_type = session_class(config.forwarding, len(chain.stages))
+            history = req.prompt_ids + generated
             async with session_type(chain, max_length, req.request_id, req.deadline, config.wire_dtype,
-                                    progress, sampling, keep_output=config.repair) as session:
+                                    progress, sampling, keep_output=config.repair,
+                                    prefix_ids=history[:-1]) as session:
                 # Everything the chain has not seen yet: the prompt at first (after a failover the
-                # prompt plus all tokens so far), then one token per decode step.
-                feed = req.prompt_ids + generated
+                # prompt plus all tokens so far) past what its stages had cached, then one token per decode step.
+                feed = history[session.position:]
                 while True:
                     try:
                         result = await session.step(feed, sampling=sampling, chunk_size=chunk)

@@ -183,6 +183,8 @@ def possible(session: ChainSession, exc: grpc.aio.AioRpcError) -> str:
     """Why the session cannot be repaired after exc ("" when it can)."""
     if exc.code() not in REPAIRABLE:
         return f"a {exc.code().name} is not the stage's own fault"
+    if session.attached and session.failed_stage:
+        return "its first positions came from the stages' prefix caches, which log no output to rebuild from"
     if isinstance(session, ForwardingSession):
         if session.failed_stage is None:
             return "the fault names no stage"

@@ -14,7 +14,8 @@ from array import array
 
 import grpc
 
-from router.chain_client import StageEndpoint, call_status, stage_error
+from router.chain_client import StageEndpoint
+from router.stage_faults import call_status, stage_error
 from stagemesh import grpc_server
 from stagemesh.v1 import stage_pb2
 
@@ -39,6 +40,8 @@ class StageMux:
         self.channel = stage.channel
         self.call = stage.stub.Sessions()
         self.inboxes: dict[str, tuple[Inbox, int]] = {}
+        self.cached: dict[str, int] = {}
+        """Sessions opened here with positions attached from the stage's prefix cache: how many (read once)."""
         self.broken = False
         self._batch = stage_pb2.SessionBatch()
         self._bytes = 0
@@ -85,6 +88,7 @@ class StageMux:
     def close(self, session_id: str) -> None:
         """Closes a session here (nothing more reaches its inbox). The stage closes it anyway if the stream
         ends first."""
+        self.cached.pop(session_id, None)
         if self.inboxes.pop(session_id, None) is not None and not self.broken:
             self._closes.append(session_id)
             if self._close_timer is None:
@@ -118,6 +122,8 @@ class StageMux:
             async for events in self.call:
                 for sid in events.opened:
                     if (entry := self.inboxes.get(sid)) is not None:
+                        if cached := events.cached_positions.get(sid, 0):
+                            self.cached[sid] = cached
                         entry[0].put_nowait((entry[1], None))
                 for sid in events.rerouted:
                     if (entry := self.inboxes.get(sid)) is not None:
@@ -129,7 +135,7 @@ class StageMux:
                     if (entry := self.inboxes.pop(fault.session_id, None)) is not None:
                         fault_code = next((c for c in grpc.StatusCode if c.value[0] == fault.code),
                                           grpc.StatusCode.UNKNOWN)
-                        entry[0].put_nowait((entry[1], stage_error(fault_code, self.stage, fault.details)))
+                        entry[0].put_nowait((entry[1], stage_error(fault_code, self.stage.address, fault.details)))
         except grpc.aio.AioRpcError as exc:
             code, details = call_status(exc.code(), exc.details())
         finally:
@@ -139,7 +145,7 @@ class StageMux:
                 log.warning(f"Sessions stream to stage {self.stage.address} ended: {code.name}: {details} "
                             f"({len(self.inboxes)} session(s) on it)")
             for inbox, index in self.inboxes.values():
-                inbox.put_nowait((index, stage_error(code, self.stage, details)))
+                inbox.put_nowait((index, stage_error(code, self.stage.address, details)))
             self.inboxes.clear()
 
 

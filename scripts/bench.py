@@ -485,8 +485,10 @@ def run_mesh(model: str, stages: int, replicas: int, args: argparse.Namespace, p
 
     started = time.perf_counter()
     result = SystemResult(f"mesh {stages}x{replicas}", stages, replicas, args.prefill_chunk)
+    # --no-prefix-cache: the runs repeat their prompts, which transformers computes every time; a cache would
+    # answer them (scripts/bench_prefix.py measures it). --stage-arg=--prefix-cache puts it back.
     stage_args = ["--device", args.device, "--kv-cache-gb", f"{kv_cache_gb(config, args.dtype, w):.3f}",
-                  *args.stage_arg]
+                  "--no-prefix-cache", *args.stage_arg]
     log_dir.mkdir(parents=True, exist_ok=True)
     mesh, router = start_local_mesh(model, stages=stages, replicas=replicas, router_port=0, dtype=args.dtype,
                                     threads=args.stage_threads, prefill_chunk=args.prefill_chunk,

@@ -34,13 +34,18 @@ def worker(a: argparse.Namespace) -> None:
     import grpc
     from transformers import AutoConfig
 
+    from stage_server.config import StageConfig
     from stagemesh.launcher import start_local_mesh
     from stagemesh.v1 import router_pb2, router_pb2_grpc
 
     config = AutoConfig.from_pretrained(a.model, local_files_only=True)
     plan = Plan(stages=[a.stages], replicas=[1], levels=a.levels, repeats=1, concurrency_repeats=a.repeats)
     streams = make_workload(plan, config.vocab_size, config.max_position_embeddings).streams
-    mesh, router = start_local_mesh(a.model, stages=a.stages, router_port=0, extra_stage_args=a.stage_arg or None,
+    # The repeats send the same prompts: a tree whose stages cache prefixes is told not to, so that every tree
+    # computes what it is given.
+    uncached = ["--no-prefix-cache"] if "prefix_cache" in StageConfig.__dataclass_fields__ else []
+    mesh, router = start_local_mesh(a.model, stages=a.stages, router_port=0,
+                                    extra_stage_args=[*uncached, *(a.stage_arg or [])],
                                     extra_router_args=a.router_arg or None)
 
     async def one(stub, ids: list[int], max_new: int) -> int:

@@ -162,7 +162,8 @@ def main() -> None:
         logs = Path(args.log_dir or Path(tmp) / "logs")
         logs.mkdir(parents=True, exist_ok=True)
         pm = FaultMesh(str(model), logs, chains=2, stages=3, num_layers=8,
-                       stage_args=("--kv-cache-gb", "0.1", "--threads", str(args.threads)))
+                       # --no-prefix-cache: a replay after the repeats before it would find the prefix cached
+                       stage_args=("--kv-cache-gb", "0.1", "--threads", str(args.threads), "--no-prefix-cache"))
         try:
             rows = asyncio.run(run(pm, paths, prefixes, args.repeats))
         finally:

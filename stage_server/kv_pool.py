@@ -17,12 +17,24 @@ its next) answers RESOURCE_EXHAUSTED saying it was preempted to make room. If th
 one asking, its own step is the one refused. The router treats RESOURCE_EXHAUSTED as "another
 chain, or later" and replays prompt + generated tokens there (recompute), so the stream stays
 token-exact. The pool never allocates after start, so it never runs the process out of memory.
+
+Prefix caching (as vLLM's and SGLang's): a session opened with the tokens it starts with (its router sends
+them, with a salt naming what else this stage's inputs depend on: the stages before it and the wire dtype)
+gets a key per full block of them, each key a hash of the salt, the key before it and the block's tokens.
+Once a block is computed (the session's length passed it), it is registered under its key; a later session
+whose keys match attaches those blocks at open instead of computing them, shared, read-only: a step writes
+only positions past its session's length, and an attached block lies wholly before it. A block is freed
+when no session holds it, but stays indexed (evictable, least recently used first) until the pool needs it:
+evicting a cached block comes before preempting a session. A block's holders count once for admission.
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import threading
+from array import array
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -55,6 +67,11 @@ class SessionCache:
     # Positions already filled; the next step must start here.
     length: int = 0
     preempted: bool = False
+    prefix_keys: list[bytes] = field(default_factory=list, repr=False)
+    """Prefix caching: the key of each full block of the tokens it was opened with (block i: positions
+    i * block_size onward); its blocks are registered under them as they are computed."""
+    attached: int = 0
+    """Positions attached from the prefix cache at open (0: none); until its first step, all it holds."""
 
     @property
     def capacity(self) -> int:
@@ -91,6 +108,11 @@ class KVPool:
         self.caches: dict[int, SessionCache] = {}  # live ones, by id()
         self.preemptions = 0
         self.peak_blocks_used = 0
+        self.refs = [0] * self.num_blocks  # sessions holding each block
+        self.cached: dict[bytes, int] = {}  # prefix key -> block holding it
+        self.key_of: dict[int, bytes] = {}  # block -> its prefix key (registered blocks only)
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # registered, held by none: oldest use first
+        self.prefix_hit_positions = 0  # positions attached from the prefix cache since start
         self._order = itertools.count()
         self._lock = threading.Lock()  # closes come from the event loop, growth from the compute thread
         self._in_pass: set[int] = set()  # caches the running pass reads, by id(): closed, they keep their blocks
@@ -105,7 +127,13 @@ class KVPool:
 
     @property
     def blocks_used(self) -> int:
-        return self.usable_blocks - len(self.free)
+        """Blocks sessions hold (cached blocks no session holds are free to take)."""
+        return self.usable_blocks - len(self.free) - len(self.evictable)
+
+    @property
+    def cached_blocks(self) -> int:
+        """Blocks indexed by the prefix cache, held or not."""
+        return len(self.cached)
 
     @property
     def used_bytes(self) -> int:
@@ -124,19 +152,102 @@ class KVPool:
     def _reservation(self, cache: SessionCache) -> int:
         return min(self.blocks_for(cache.max_length), len(cache.blocks) + self.lookahead_blocks)
 
-    def allocate(self, max_length: int) -> SessionCache:
-        """Admits a session (no block is taken yet): refused when the reservations would pass the pool."""
+    def prefix_keys(self, token_ids: list[int], salt: str) -> list[bytes]:
+        """The key of each full block of token_ids (prefix caching): a hash of the salt, the key before it
+        and the block's tokens."""
+        keys, key, bs = [], hashlib.blake2b(salt.encode(), digest_size=16).digest(), self.block_size
+        for at in range(0, len(token_ids) - bs + 1, bs):
+            key = hashlib.blake2b(key + array("q", token_ids[at: at + bs]).tobytes(), digest_size=16).digest()
+            keys.append(key)
+        return keys
+
+    def allocate(self, max_length: int, prefix_keys: list[bytes] | None = None) -> SessionCache:
+        """Admits a session, attaching the cached blocks its prefix_keys lead with (no other block is taken
+        yet): refused when the reservations would pass the pool."""
         with self._lock:
-            cache = SessionCache(self, max_length, next(self._order))
-            reserved = sum(self._reservation(c) for c in self.caches.values())
-            need = self._reservation(cache)
-            if reserved + need > self.usable_blocks:
+            cache = SessionCache(self, max_length, next(self._order), prefix_keys=list(prefix_keys or ()))
+            attach = []
+            for key in cache.prefix_keys[: (max_length - 1) // self.block_size]:  # a position is left to compute
+                if (block := self.cached.get(key)) is None:
+                    break
+                attach.append(block)
+            held = self.blocks_used + sum(1 for b in attach if not self.refs[b])
+            extra = sum(self._reservation(c) - len(c.blocks) for c in self.caches.values())
+            need = min(self.blocks_for(max_length), len(attach) + self.lookahead_blocks) - len(attach)
+            if held + extra + need > self.usable_blocks:
                 raise PoolExhausted(
-                    f"KV pool full: {reserved} of {self.usable_blocks} blocks of {self.block_size} positions are "
-                    f"held or reserved and a new session reserves {need}; retry on another chain or later, or "
-                    "start the stage with a larger --kv-cache-gb")
+                    f"KV pool full: {held + extra} of {self.usable_blocks} blocks of {self.block_size} positions "
+                    f"are held or reserved and a new session reserves {need}; retry on another chain or later, "
+                    "or start the stage with a larger --kv-cache-gb")
+            for block in attach:
+                self._take(block)
+            cache.blocks = attach
+            cache.length = cache.attached = len(attach) * self.block_size
+            self.prefix_hit_positions += cache.attached
             self.caches[id(cache)] = cache
+            self.peak_blocks_used = max(self.peak_blocks_used, self.blocks_used)
             return cache
+
+    def rewind(self, cache: SessionCache, position: int) -> None:
+        """cache keeps positions 0..position-1 and lets go of the blocks past them: a first step that starts
+        before the positions attached at open (the chain's other stages had fewer cached), or a repair's
+        rewind. A block it keeps in part becomes its own (copied if another session or the index has it),
+        since it writes the rest of it again; the router's starts lie on block boundaries, so that is rare."""
+        with self._lock:
+            keep, bs = self.blocks_for(position), self.block_size
+            for block in cache.blocks[keep:]:
+                self._drop(block)
+            del cache.blocks[keep:]
+            if cache.attached > position:
+                self.prefix_hit_positions -= cache.attached - position  # attached, then not used
+                cache.attached = position
+            cache.length = min(cache.length, position)
+            last = cache.blocks[-1] if cache.blocks else NULL_BLOCK
+            if position % bs and (self.refs[last] > 1 or last in self.key_of):
+                if (own := self._fresh()) is None:  # no room for its own copy: it can only be replayed
+                    self._preempt(cache)
+                    raise Preempted(PREEMPTED)
+                self.k[:, own * bs: (own + 1) * bs] = self.k[:, last * bs: (last + 1) * bs]
+                self.v[:, own * bs: (own + 1) * bs] = self.v[:, last * bs: (last + 1) * bs]
+                self._drop(last)
+                cache.blocks[-1] = own
+
+    def _take(self, block: int) -> None:
+        """A session holds block (a cached one no session held leaves the evictable list)."""
+        if not self.refs[block]:
+            self.evictable.pop(block, None)
+        self.refs[block] += 1
+
+    def _drop(self, block: int) -> None:
+        """A session lets go of block: once no session holds it, it is free, or evictable if cached."""
+        self.refs[block] -= 1
+        if not self.refs[block]:
+            if block in self.key_of:
+                self.evictable[block] = None
+            else:
+                self.free.append(block)
+
+    def _fresh(self) -> int | None:
+        """A block for a session to write: a free one, else the least recently used cached one (unindexed),
+        else None (the pool is dry)."""
+        if self.free:
+            block = self.free.pop()
+        elif self.evictable:
+            block, _ = self.evictable.popitem(last=False)
+            del self.cached[self.key_of.pop(block)]
+        else:
+            return None
+        self.refs[block] = 1
+        return block
+
+    def _register(self, cache: SessionCache) -> None:
+        """Indexes cache's computed full blocks under its prefix keys (first come, first kept)."""
+        done = min(len(cache.prefix_keys), cache.length // self.block_size, len(cache.blocks))
+        for i in range(cache.attached // self.block_size, done):
+            key, block = cache.prefix_keys[i], cache.blocks[i]
+            if key not in self.cached and block not in self.key_of:
+                self.cached[key] = block
+                self.key_of[block] = key
 
     def grow(self, cache: SessionCache, end: int) -> list[SessionCache]:
         """Gives cache the blocks for positions [0, end), preempting the newest sessions while the pool is
@@ -146,16 +257,17 @@ class KVPool:
                 raise Preempted(PREEMPTED)
             if id(cache) not in self.caches:
                 raise PoolExhausted("the session was closed")
+            self._register(cache)
             victims = []
             while len(cache.blocks) < self.blocks_for(end):
-                if not self.free:
+                if (block := self._fresh()) is None:
                     victim = max((c for c in self.caches.values() if c.blocks), key=lambda c: c.order)
                     self._preempt(victim)
                     victims.append(victim)
                     if victim is cache:
                         raise Preempted(PREEMPTED)
                     continue
-                cache.blocks.append(self.free.pop())
+                cache.blocks.append(block)
             self.peak_blocks_used = max(self.peak_blocks_used, self.blocks_used)
             return victims
 
@@ -163,11 +275,14 @@ class KVPool:
         """Returns the blocks past cache.length (a step that failed took them)."""
         with self._lock:
             keep = self.blocks_for(cache.length)
-            self.free.extend(reversed(cache.blocks[keep:]))
+            for block in reversed(cache.blocks[keep:]):
+                self._drop(block)
             del cache.blocks[keep:]
 
     def _give_back(self, cache: SessionCache) -> None:
-        self.free.extend(reversed(cache.blocks))
+        self._register(cache)  # what it computed stays for the sessions that start the same way
+        for block in reversed(cache.blocks):
+            self._drop(block)
         cache.blocks.clear()
 
     def _preempt(self, cache: SessionCache) -> None:

@@ -267,7 +267,8 @@ class StageServer:
         log.info(f"warm-up in {warm_s * 1000:.0f} ms{compiled}; cold start {model.load_s:.2f}s before serving; "
                  f"a decode step ~{warm.step_ms:.1f} ms, a full pass ({config.batcher.max_batch_tokens} tokens) "
                  f"~{warm.full_pass_ms:.0f} ms", extra={"stage": self.address})
-        self.sessions = SessionTable(self.pool, args.max_position, LogBudget(int(config.output_log_gb * 2**30)))
+        self.sessions = SessionTable(self.pool, args.max_position, LogBudget(int(config.output_log_gb * 2**30)),
+                                     prefix_cache=config.prefix_cache and config.tp == 1)
         self.batcher = StepBatcher(model, config.batcher, self.compute, warm.step_ms, warm.full_pass_ms)
         self.batcher.start()
         self.model = model

@@ -16,7 +16,9 @@ from typing import Any
 
 import grpc
 
+from stage_server.kv_pool import PoolExhausted
 from stage_server.sessions import UnknownSession
+from stage_server.step_inputs import decode_inputs
 from stagemesh import grpc_server, tensor_codec, tracing
 from stagemesh.errors import ErrorCodes, StatusError
 from stagemesh.v1 import stage_pb2
@@ -26,8 +28,6 @@ log = logging.getLogger("stagemesh.stage")
 StageService = Any
 """stage_service.StageService, which imports this module (its methods are used, never its module)."""
 
-OPENED = object()
-"""Queued for a session opened on the stream: answered in SessionEvents.opened."""
 REROUTED = object()
 """Queued for a session rerouted (SessionBatch.reroute): answered in SessionEvents.rerouted."""
 _END = object()
@@ -91,7 +91,8 @@ class SessionStream:
         self.context = context
         self.codes = codes
         self.admit = admit
-        self.events: asyncio.Queue = asyncio.Queue()  # (session id, OPENED | ForwardResponse | exception)
+        # (session id, OpenSessionResponse: opened | REROUTED | ForwardResponse | an exception: its fault)
+        self.events: asyncio.Queue = asyncio.Queue()
         self.feeds: dict[str, _Feed] = {}  # the sessions this stream opened or stepped: closed with it
         self.running: set[asyncio.Task] = set()
 
@@ -132,8 +133,10 @@ class SessionStream:
                     log.info("session closed with its stream", extra=self.service._extra(sid, session.request_id))
 
     def _add(self, events: stage_pb2.SessionEvents, session_id: str, item: object) -> None:
-        if item is OPENED:
+        if isinstance(item, stage_pb2.OpenSessionResponse):
             events.opened.append(session_id)
+            if item.cached_positions:
+                events.cached_positions[session_id] = item.cached_positions
         elif item is REROUTED:
             events.rerouted.append(session_id)
         elif isinstance(item, BaseException):
@@ -166,7 +169,7 @@ class SessionStream:
         try:
             if self.admit is not None:
                 self.admit()
-            await self.service.OpenSession(request, self.context)
+            opened = await self.service.OpenSession(request, self.context)
         except Exception as exc:
             self.events.put_nowait((request.session_id, exc))
             return
@@ -174,7 +177,7 @@ class SessionStream:
             if span is not None:
                 span.end()
         feed = self.feeds[request.session_id] = _Feed(self.events, request.session_id)
-        self.events.put_nowait((request.session_id, OPENED))
+        self.events.put_nowait((request.session_id, opened))
         self.service.sessions.sessions[request.session_id].route.attach(feed)
 
     def _step(self, request: stage_pb2.ForwardRequest) -> None:
@@ -191,7 +194,7 @@ class SessionStream:
             session.route.attach(feed)
         t0 = time.perf_counter()
         try:
-            inputs = service._inputs(request)
+            inputs = decode_inputs(service.model, request)
         except (StatusError, tensor_codec.CodecError) as exc:  # ill-formed: this session fails, no other
             service._fail(session.session_id, exc)
             return
@@ -221,8 +224,11 @@ class SessionStream:
                     grpc.StatusCode.FAILED_PRECONDITION, f"cannot rewind to position {request.position}: the "
                     f"session holds positions 0..{cache.length - 1}"))
                 return
-            cache.length = request.position  # attention reads positions < length only: the rest is overwritten
-            cache.pool.trim(cache)
+            try:
+                cache.pool.rewind(cache, request.position)  # attention reads positions < length: the rest is rewritten
+            except PoolExhausted as exc:
+                self.service._fail(session.session_id, exc)
+                return
             if session.output is not None and not session.output.lost:
                 session.output.length = min(session.output.length, request.position)
             if request.next_address:

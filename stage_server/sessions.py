@@ -54,15 +54,20 @@ class Session:
 
 
 class SessionTable:
-    def __init__(self, pool: KVPool, max_position: int, log_budget: LogBudget | None = None):
+    def __init__(self, pool: KVPool, max_position: int, log_budget: LogBudget | None = None,
+                 prefix_cache: bool = False):
         self.pool = pool
+        self.prefix_cache = prefix_cache  # sessions opened with prefix_ids attach (and leave) cached blocks
         self.log_budget = log_budget or LogBudget(0)  # what the sessions' output logs may hold together
         self.max_position = max_position
         self.sessions: dict[str, Session] = {}
         self.open_attempts = 0  # refused ones too: how hard callers press on this stage
 
     def open(self, session_id: str, max_length: int, request_id: str = "", owner: str = "",
-             route: Route | None = None, keep_output: bool = False) -> Session:
+             route: Route | None = None, keep_output: bool = False, prefix_ids: list[int] | None = None,
+             prefix_salt: str = "") -> Session:
+        """prefix_ids, prefix_salt: what the session starts with (prefix caching, kv_pool.py); the session's
+        cache.attached says how many positions came from the cache."""
         self.open_attempts += 1
         if not session_id:
             raise SessionError("session_id is empty; choose a unique id per session")
@@ -72,9 +77,11 @@ class SessionTable:
             raise SessionTooLong(
                 f"max_length {max_length} is outside 1..{self.max_position} (the model's context)"
             )
-        cache = self.pool.allocate(max_length)  # raises PoolExhausted
+        keys = self.pool.prefix_keys(prefix_ids, prefix_salt) if self.prefix_cache and prefix_ids else []
+        cache = self.pool.allocate(max_length, keys)  # raises PoolExhausted
+        # A log from position 0 only: one whose first positions were attached cannot rebuild a next stage.
         session = Session(session_id, request_id, cache, owner, route=route or Route(),
-                          output=OutputLog(self.log_budget) if keep_output else None)
+                          output=OutputLog(self.log_budget) if keep_output and not cache.attached else None)
         self.sessions[session_id] = session
         return session
 

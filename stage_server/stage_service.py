@@ -28,6 +28,7 @@ from stage_server.sessions import (
     UnknownSession,
     short_id,
 )
+from stage_server.step_inputs import decode_inputs
 from stagemesh import metrics, tensor_codec
 from stagemesh.errors import ErrorCodes, StatusError, request_id_of
 from stagemesh.request_limits import InvalidSampling
@@ -106,10 +107,13 @@ class StageService(stage_pb2_grpc.StageServicer):
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "the last stage has no next stage to forward to")
         route = Route(request.next_address, request.next_key, request.upstream_key, sampling, request.wire_dtype,
                       request.previous_address, request.repairable)
-        self.sessions.open(request.session_id, request.max_length, request_id, caller_of(context), route,
-                           keep_output=request.keep_output and not self.model.is_last)
-        log.info("session opened", extra=self._extra(request.session_id, request_id))
-        return stage_pb2.OpenSessionResponse(session_id=request.session_id)
+        session = self.sessions.open(request.session_id, request.max_length, request_id, caller_of(context), route,
+                                     keep_output=request.keep_output and not self.model.is_last,
+                                     prefix_ids=list(request.prefix_ids), prefix_salt=request.prefix_salt)
+        attached = session.cache.attached
+        log.info(f"session opened{f', {attached} positions from the prefix cache' if attached else ''}",
+                 extra=self._extra(request.session_id, request_id))
+        return stage_pb2.OpenSessionResponse(session_id=request.session_id, cached_positions=attached)
 
     async def CloseSession(self, request, context):
         if not self.sessions.close(request.session_id, caller_of(context)):
@@ -187,7 +191,7 @@ class StageService(stage_pb2_grpc.StageServicer):
         """Runs a step: its input decoded (unless already, from t0 on) and checked, then its pass. Times the wire
         decode (step_timing); returns the result and whether it was a decode step (one token)."""
         t0 = time.perf_counter() if t0 is None else t0
-        step = self._to_step(request, session, self._inputs(request) if inputs is None else inputs)
+        step = self._to_step(request, session, decode_inputs(self.model, request) if inputs is None else inputs)
         decode = step.length == 1
         self.batcher.timing.since("wire_decode", t0, decode)
         result = await self.batcher.submit(step)
@@ -238,7 +242,7 @@ class StageService(stage_pb2_grpc.StageServicer):
                     carried.add(session.session_id)
                     t0 = time.perf_counter()
                     try:
-                        inputs = self._inputs(request)
+                        inputs = decode_inputs(self.model, request)
                     except (StatusError, tensor_codec.CodecError) as exc:  # ill-formed: that session's step is lost
                         status = exc if isinstance(exc, StatusError) else StatusError(
                             grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -301,42 +305,11 @@ class StageService(stage_pb2_grpc.StageServicer):
         code = next((c for c in grpc.StatusCode if c.value[0] == status.code), grpc.StatusCode.UNKNOWN)
         self._fail(status.session_id, StatusError(code, f"next stage {address}: {status.details}"))
 
-    def _inputs(self, request: stage_pb2.ForwardRequest) -> torch.Tensor:
-        """A step's input, decoded and checked: token ids [T] (first stage) or hidden states [T, hidden]."""
-        model, args = self.model, self.model.args
-        which = request.WhichOneof("input")
-        if model.is_first:
-            if which != "token_ids":
-                raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
-                                  "the first stage takes token_ids, not hidden states")
-            inputs = tensor_codec.decode(request.token_ids)
-            if inputs.dtype not in (torch.int64, torch.int32) or inputs.dim() != 1:
-                raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
-                                  f"token_ids must be a 1-D int64/int32 tensor, got {request.token_ids.dtype} "
-                                  f"{list(inputs.shape)}")
-            if inputs.numel() and (int(inputs.min()) < 0 or int(inputs.max()) >= args.vocab_size):
-                raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
-                                  f"token id outside the vocabulary 0..{args.vocab_size - 1}")
-            inputs = inputs.long()
-        else:
-            if which != "hidden":
-                raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
-                                  f"stage {model.layer_start}:{model.layer_end} takes hidden states, not token ids")
-            inputs = tensor_codec.decode(request.hidden)
-            if not inputs.is_floating_point():
-                raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
-                                  f"hidden states must be float32, bfloat16, float16 or int8 with row_scale, "
-                                  f"got {request.hidden.dtype}")
-            if inputs.dim() != 2 or inputs.shape[1] != args.hidden_size:
-                raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
-                                  f"hidden states must have shape [tokens, {args.hidden_size}], "
-                                  f"got {list(inputs.shape)}")
-        if inputs.shape[0] == 0:
-            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "a step needs at least one token")
-        return inputs
-
     def _to_step(self, request: stage_pb2.ForwardRequest, session: Session, inputs: torch.Tensor) -> StepRequest:
         n, cache = inputs.shape[0], session.cache
+        if cache.attached and cache.length == cache.attached and 0 <= request.start < cache.length:
+            # Its first step, and the chain's other stages had fewer positions cached: those past it go.
+            self.sessions.pool.rewind(cache, request.start)
         if request.start != cache.length:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
                               f"step starts at position {request.start} but session {session.session_id} "
@@ -386,6 +359,8 @@ class StageService(stage_pb2_grpc.StageServicer):
             kv_blocks_used=self.sessions.pool.blocks_used,
             kv_blocks_total=self.sessions.pool.usable_blocks,
             kv_preemptions=self.sessions.pool.preemptions,
+            kv_prefix_blocks=self.sessions.pool.cached_blocks,
+            kv_prefix_hit_positions=self.sessions.pool.prefix_hit_positions,
             queued_steps=self.batcher.queued,
             step_ms=self.batcher.step_ms,
             pass_ms=self.batcher.pass_ms,

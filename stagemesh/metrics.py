@@ -44,6 +44,8 @@ ROUTED = Counter("stagemesh_router_routed_total",
                  "(fallback); a failover or retry picks again", ["class", "path"])
 FULL_RETRIES = Counter("stagemesh_router_full_retries_total",
                        "Waits (with backoff) because every chain tried was full")
+PREFIX_HIT_TOKENS = Counter("stagemesh_router_prefix_hit_tokens_total",
+                            "Prompt (or replay) tokens not sent: every stage of the chain had them in its prefix cache")
 
 # Stage (a process holds one stage; the labels say which pass or direction)
 PASS_SECONDS = Histogram("stagemesh_stage_pass_seconds", "Time of one batched forward pass, by steps in it",

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("session_id", "max_length", "request_id", "next_address", "next_key", "upstream_key", "sampling", "wire_dtype", "previous_address", "keep_output", "trace_context", "repairable")
+    __slots__ = ("session_id", "max_length", "request_id", "next_address", "next_key", "upstream_key", "sampling", "wire_dtype", "previous_address", "keep_output", "trace_context", "repairable", "prefix_ids", "prefix_salt")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,8 @@ class OpenSessionRequest(_message.Message):
     KEEP_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     REPAIRABLE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_IDS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_SALT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     max_length: int
     request_id: str
@@ -40,13 +42,17 @@ class OpenSessionRequest(_message.Message):
     keep_output: bool
     trace_context: _containers.ScalarMap[str, str]
     repairable: bool
-    def __init__(self, session_id: _Optional[str] = ..., max_length: _Optional[int] = ..., request_id: _Optional[str] = ..., next_address: _Optional[str] = ..., next_key: _Optional[str] = ..., upstream_key: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., wire_dtype: _Optional[str] = ..., previous_address: _Optional[str] = ..., keep_output: _Optional[bool] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., repairable: _Optional[bool] = ...) -> None: ...
+    prefix_ids: _containers.RepeatedScalarFieldContainer[int]
+    prefix_salt: str
+    def __init__(self, session_id: _Optional[str] = ..., max_length: _Optional[int] = ..., request_id: _Optional[str] = ..., next_address: _Optional[str] = ..., next_key: _Optional[str] = ..., upstream_key: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., wire_dtype: _Optional[str] = ..., previous_address: _Optional[str] = ..., keep_output: _Optional[bool] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., repairable: _Optional[bool] = ..., prefix_ids: _Optional[_Iterable[int]] = ..., prefix_salt: _Optional[str] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
-    __slots__ = ("session_id",)
+    __slots__ = ("session_id", "cached_positions")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHED_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
-    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+    cached_positions: int
+    def __init__(self, session_id: _Optional[str] = ..., cached_positions: _Optional[int] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
     __slots__ = ("session_id",)
@@ -167,23 +173,32 @@ class Reroute(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., position: _Optional[int] = ..., next_address: _Optional[str] = ..., next_key: _Optional[str] = ...) -> None: ...
 
 class SessionEvents(_message.Message):
-    __slots__ = ("opened", "results", "faults", "rerouted")
+    __slots__ = ("opened", "results", "faults", "rerouted", "cached_positions")
+    class CachedPositionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     OPENED_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     FAULTS_FIELD_NUMBER: _ClassVar[int]
     REROUTED_FIELD_NUMBER: _ClassVar[int]
+    CACHED_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     opened: _containers.RepeatedScalarFieldContainer[str]
     results: _containers.RepeatedCompositeFieldContainer[ForwardResponse]
     faults: _containers.RepeatedCompositeFieldContainer[RelayStatus]
     rerouted: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, opened: _Optional[_Iterable[str]] = ..., results: _Optional[_Iterable[_Union[ForwardResponse, _Mapping]]] = ..., faults: _Optional[_Iterable[_Union[RelayStatus, _Mapping]]] = ..., rerouted: _Optional[_Iterable[str]] = ...) -> None: ...
+    cached_positions: _containers.ScalarMap[str, int]
+    def __init__(self, opened: _Optional[_Iterable[str]] = ..., results: _Optional[_Iterable[_Union[ForwardResponse, _Mapping]]] = ..., faults: _Optional[_Iterable[_Union[RelayStatus, _Mapping]]] = ..., rerouted: _Optional[_Iterable[str]] = ..., cached_positions: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class StageInfo(_message.Message):
-    __slots__ = ("model", "family", "layer_start", "layer_end", "num_layers", "is_first", "is_last", "dtype", "device", "hidden_size", "vocab_size", "max_position", "weight_bytes", "peak_rss_bytes", "open_sessions", "kv_used_bytes", "kv_capacity_bytes", "queued_steps", "step_ms", "pass_ms", "load_s", "max_batch_tokens", "fingerprint", "kv_block_size", "kv_blocks_used", "kv_blocks_total", "kv_preemptions", "decode_phase_seconds", "decode_steps", "tp_size", "output_log_bytes", "output_logs_dropped")
+    __slots__ = ("model", "family", "layer_start", "layer_end", "num_layers", "is_first", "is_last", "dtype", "device", "hidden_size", "vocab_size", "max_position", "weight_bytes", "peak_rss_bytes", "open_sessions", "kv_used_bytes", "kv_capacity_bytes", "queued_steps", "step_ms", "pass_ms", "load_s", "max_batch_tokens", "fingerprint", "kv_block_size", "kv_blocks_used", "kv_blocks_total", "kv_preemptions", "decode_phase_seconds", "decode_steps", "tp_size", "output_log_bytes", "output_logs_dropped", "kv_prefix_blocks", "kv_prefix_hit_positions")
     class DecodePhaseSecondsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -223,6 +238,8 @@ class StageInfo(_message.Message):
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_LOG_BYTES_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_LOGS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    KV_PREFIX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_PREFIX_HIT_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     model: str
     family: str
     layer_start: int
@@ -255,4 +272,6 @@ class StageInfo(_message.Message):
     tp_size: int
     output_log_bytes: int
     output_logs_dropped: int
-    def __init__(self, model: _Optional[str] = ..., family: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_layers: _Optional[int] = ..., is_first: _Optional[bool] = ..., is_last: _Optional[bool] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_position: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., peak_rss_bytes: _Optional[int] = ..., open_sessions: _Optional[int] = ..., kv_used_bytes: _Optional[int] = ..., kv_capacity_bytes: _Optional[int] = ..., queued_steps: _Optional[int] = ..., step_ms: _Optional[float] = ..., pass_ms: _Optional[float] = ..., load_s: _Optional[float] = ..., max_batch_tokens: _Optional[int] = ..., fingerprint: _Optional[str] = ..., kv_block_size: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_preemptions: _Optional[int] = ..., decode_phase_seconds: _Optional[_Mapping[str, float]] = ..., decode_steps: _Optional[int] = ..., tp_size: _Optional[int] = ..., output_log_bytes: _Optional[int] = ..., output_logs_dropped: _Optional[int] = ...) -> None: ...
+    kv_prefix_blocks: int
+    kv_prefix_hit_positions: int
+    def __init__(self, model: _Optional[str] = ..., family: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_layers: _Optional[int] = ..., is_first: _Optional[bool] = ..., is_last: _Optional[bool] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_position: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., peak_rss_bytes: _Optional[int] = ..., open_sessions: _Optional[int] = ..., kv_used_bytes: _Optional[int] = ..., kv_capacity_bytes: _Optional[int] = ..., queued_steps: _Optional[int] = ..., step_ms: _Optional[float] = ..., pass_ms: _Optional[float] = ..., load_s: _Optional[float] = ..., max_batch_tokens: _Optional[int] = ..., fingerprint: _Optional[str] = ..., kv_block_size: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_preemptions: _Optional[int] = ..., decode_phase_seconds: _Optional[_Mapping[str, float]] = ..., decode_steps: _Optional[int] = ..., tp_size: _Optional[int] = ..., output_log_bytes: _Optional[int] = ..., output_logs_dropped: _Optional[int] = ..., kv_prefix_blocks: _Optional[int] = ..., kv_prefix_hit_positions: _Optional[int] = ...) -> None: ...
