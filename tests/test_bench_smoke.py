@@ -141,3 +141,17 @@ def test_bench_aggregate_runs_each_tree_and_reports_its_ratio_to_the_first(tmp_p
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
     rows = [line for line in proc.stdout.splitlines() if line.strip().startswith("2 streams")]
     assert len(rows) == 2 and rows[0].endswith("1.00x"), proc.stdout
+
+
+@pytest.mark.timeout(330)
+def test_bench_prefix_compares_the_cache_off_and_on_with_the_same_tokens(tmp_path, tiny_model):
+    out = tmp_path / "prefix.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_prefix.py"), "--model", str(tiny_model),
+                           "--stages", "1", "--system", "64", "--user", "8", "--new", "2", "--requests", "3",
+                           "--concurrent", "2",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    report = json.loads(out.read_text())
+    assert report["same_tokens"] and report["off"]["prefix_hit_positions"] == [0]
+    assert report["on"]["prefix_hit_positions"] == [4 * 64]  # the 2nd, 3rd and both concurrent requests
+    assert "median TTFT of the rest" in proc.stdout
