@@ -70,6 +70,7 @@ class Piece:
     token_ids: list[int]
     text: str
     finish_reason: str | None = None  # "length", "stop" or "eos" on the last piece
+    cached_tokens: int = 0  # on the last piece: what the chain that finished had in its prefix caches
 
 
 @dataclass
@@ -158,14 +159,14 @@ async def generate(
                     generated.append(token)
                     feed = [token]
                     if token in eos_ids:
-                        yield Piece([token], text.flush(), "eos")
+                        yield Piece([token], text.flush(), "eos", session.attached)
                         return
                     new_text = text.add([token])
                     if text.stopped:
-                        yield Piece([token], new_text, "stop")
+                        yield Piece([token], new_text, "stop", session.attached)
                         return
                     if len(generated) >= req.max_new_tokens:
-                        yield Piece([token], new_text + text.flush(), "length")
+                        yield Piece([token], new_text + text.flush(), "length", session.attached)
                         return
                     yield Piece([token], new_text)
         except grpc.aio.AioRpcError as exc:

@@ -134,6 +134,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                     text=piece.text,
                     finish_reason=FINISH.get(piece.finish_reason, router_pb2.FINISH_REASON_UNSPECIFIED),
                     request_id=req.request_id,
+                    cached_tokens=piece.cached_tokens,
                 )
             status = "OK"
         except NoUsableChain as exc:

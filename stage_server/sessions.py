@@ -77,7 +77,9 @@ class SessionTable:
             raise SessionTooLong(
                 f"max_length {max_length} is outside 1..{self.max_position} (the model's context)"
             )
-        keys = self.pool.prefix_keys(prefix_ids, prefix_salt) if self.prefix_cache and prefix_ids else []
+        keys = []
+        if self.prefix_cache and prefix_ids:  # only what the session can reach counts (the rest would cost hashing)
+            keys = self.pool.prefix_keys(prefix_ids[: max_length - 1], prefix_salt)
         cache = self.pool.allocate(max_length, keys)  # raises PoolExhausted
         # A log from position 0 only: one whose first positions were attached cannot rebuild a next stage.
         session = Session(session_id, request_id, cache, owner, route=route or Route(),

@@ -168,11 +168,14 @@ async def test_prompts_that_share_a_start_reuse_it_and_stream_what_transformers_
     try:
         system = prompt(50, seed=42)  # 3 full blocks
         prompts = [system + prompt(9, seed=43), system + prompt(20, seed=44), system[:40], system + prompt(9, seed=43)]
+        cached = []
         for ids in prompts:
-            got, _, _ = await collect(mesh.router_stub.Generate(request(ids, 12)))
+            got, _, responses = await collect(mesh.router_stub.Generate(request(ids, 12)))
             assert got == hf_greedy(hf_models["llama"], ids, 12)
+            cached.append(responses[-1].cached_tokens)
         # Each stage attached the system prompt's 3 full blocks for the 2nd and the 4th (the 4th repeats the 1st,
         # whose 59 tokens fill 3), and 2 for the 3rd (its 39 tokens before the last fill 2).
+        assert cached == [0, 3 * BS, 2 * BS, 3 * BS]
         hits = [(await info(mesh, i)).kv_prefix_hit_positions for i in range(2)]
         assert hits == [(3 + 2 + 3) * BS] * 2
         infos = await mesh.settled_infos()
