@@ -9,13 +9,15 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from transformers import AutoModelForCausalLM
 
 from router.chain_client import Chain, ChainSession, Sampling, StageEndpoint
 from router.generation import GenerationConfig
 from stage_server.kv_pool import KVPool, PoolExhausted, Preempted
 from stagemesh import tensor_codec
+from stagemesh.tiny_model import make_tiny_model
 from stagemesh.v1 import stage_pb2
-from tests.conftest import collect, hf_greedy, splits, start_mesh
+from tests.conftest import FAMILIES, NUM_LAYERS, collect, hf_greedy, splits, start_mesh
 from tests.test_exactness import prompt
 from tests.test_traffic import request
 
@@ -157,6 +159,44 @@ async def test_stages_that_cached_different_lengths_start_together_and_stay_exac
         infos = await mesh.settled_infos()
         assert [(i.open_sessions, i.kv_blocks_used) for i in infos] == [(0, 0), (0, 0)]
     finally:
+        await mesh.stop()
+
+
+@pytest.fixture(scope="module")
+def models(tiny_models, hf_models, tmp_path_factory):
+    """The tiny models and transformers' of each, Mistral's with a 16-position sliding window (the prompts run past
+    it): family -> (checkpoint, transformers model)."""
+    windowed = make_tiny_model(tmp_path_factory.mktemp("windowed") / "mistral", "mistral", layers=NUM_LAYERS,
+                               sliding_window=16, seed=7)
+    hf_windowed = AutoModelForCausalLM.from_pretrained(windowed, dtype=torch.float32).eval()
+    return {**{f: (tiny_models[f], hf_models[f]) for f in FAMILIES}, "windowed-mistral": (windowed, hf_windowed)}
+
+
+@pytest.mark.parametrize("family", [*FAMILIES, "windowed-mistral"])
+async def test_decoding_over_attached_blocks_is_exact_for_every_family(family, models):
+    path, hf = models[family]
+    mesh = await start_mesh(path, [splits(3, 5)], router=False)
+    chain = Chain([StageEndpoint(s.address) for s in mesh.stages[0]])
+    try:
+        ids = prompt(70, seed=50)
+        await _logits_after([s.address for s in chain.stages], ids[:40], ids[:39])  # leaves 2 blocks on both
+        tokens, logits = [], []
+        async with ChainSession(chain, max_length=80, request_id="hit", prefix_ids=ids[:-1]) as session:
+            assert session.position == 2 * BS
+            feed = ids[session.position:]
+            for _ in range(5):  # the prompt's rest, then 4 decode steps over the shared blocks
+                result = await session.step(feed, sampling=Sampling(), return_logits=True)
+                tokens.append(result.token_id)
+                logits.append(tensor_codec.decode(result.logits))
+                feed = [result.token_id]
+        with torch.inference_mode():
+            ref = hf(torch.tensor([ids + tokens])).logits[0]
+        for k, got in enumerate(logits):
+            torch.testing.assert_close(got, ref[len(ids) - 1 + k], atol=1e-4, rtol=0)
+        assert tokens == hf_greedy(hf, ids, 5)
+    finally:
+        for stage in chain.stages:
+            await stage.close()
         await mesh.stop()
 
 
