@@ -4,6 +4,9 @@ chain had cached, and the cached blocks give way to live sessions when the pool 
 
 from __future__ import annotations
 
+import asyncio
+import logging
+
 import grpc
 import pytest
 import torch
@@ -312,3 +315,33 @@ def test_sessions_that_share_blocks_never_see_each_others_writes(ops):
                 assert len(c.blocks) >= p.blocks_for(c.length)
                 for pos in range(c.length):
                     assert float(p.k[0, p.slots(c, pos, pos + 1)[0], 0, 0]) == _value(tokens, pos), (pos, c)
+
+
+async def test_a_stream_that_started_from_the_cache_is_replayed_when_its_middle_stage_stops(tiny_model, hf_models,
+                                                                                            caplog):
+    """Its stages logged no output for the positions they attached, so no stage can be rebuilt from them: the
+    stream moves to the other chain (which has the prompt cached too) and stays exact."""
+    caplog.set_level(logging.INFO, logger="stagemesh.router")
+    mesh = await start_mesh(tiny_model, [splits(2, 3, 3), splits(2, 3, 3)])
+    try:
+        ids = prompt(40, seed=91)
+        for _ in range(8):  # two at a time, until both chains hold the prompt's blocks (bounded)
+            await asyncio.gather(*(collect(mesh.router_stub.Generate(request(ids, 2))) for _ in range(2)))
+            if all(c[0].pool.cached_blocks for c in mesh.stages):
+                break
+        assert all(c[0].pool.cached_blocks == 2 for c in mesh.stages)
+        call = mesh.router_stub.Generate(request(ids, 12))
+        got = []
+        while len(got) < 4:
+            got.extend((await call.read()).token_ids)
+        chain = next(c for c in mesh.stages if c[1].sessions.sessions)
+        assert [s.cache.attached for s in chain[0].sessions.sessions.values()] == [2 * BS]
+        await chain[1].stop(0)
+        while (response := await call.read()) is not grpc.aio.EOF:
+            got.extend(response.token_ids)
+            last = response
+        assert got == hf_greedy(hf_models["llama"], ids, 12)
+        assert "prefix caches" in caplog.text and "replaying" in caplog.text
+        assert last.cached_tokens == 2 * BS  # the other chain's stages had the prompt's 2 blocks as well
+    finally:
+        await mesh.stop()
