@@ -225,8 +225,10 @@ class StepBatcher:
         """The step did not happen: its session stays where it was."""
         if not req.session.closed:
             cache = req.session.cache
-            cache.length = min(cache.length, req.start)
-            cache.pool.trim(cache)  # the blocks it took for this step go back
+            try:  # the blocks it took for this step go back; what it wrote past start is written again
+                cache.pool.rewind(cache, min(cache.length, req.start))
+            except PoolExhausted:  # no room to copy a shared block it would write again: it is preempted
+                pass
         return _step_error(exc)
 
     def _run_batch(self, batch: list[StepRequest]) -> list[StepResult | Exception]:

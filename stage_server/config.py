@@ -104,9 +104,9 @@ class StageConfig:
     bound, not a reservation); a session that outgrows it while the pool is dry preempts the newest session."""
     prefix_cache: bool = True
     """Keep the KV blocks of the prompts' leading full blocks after their sessions end, and attach them to a new
-    session that starts with the same tokens instead of computing them again (a shared system prompt, a
-    conversation's next turn, a replay); those no session holds are taken back first when the pool is full.
-    Not with --tp (its ranks' pools are not shared block by block)."""
+    session that starts with the same tokens instead of computing them again (a shared system prompt, the
+    prompts of a conversation's earlier turns, a replay); those no session holds are taken back first when the
+    pool is full. Not with --tp (its ranks' pools are not shared block by block)."""
     session_timeout_s: float = field(default=300.0, metadata={"flag": "--session-timeout"})
     """Seconds after which an idle session is closed and its cache freed."""
     unstepped_session_timeout_s: float = 30.0

@@ -194,8 +194,9 @@ class KVPool:
         rewind. A block it keeps in part becomes its own (copied if another session or the index has it),
         since it writes the rest of it again; the router's starts lie on block boundaries, so that is rare."""
         with self._lock:
+            self._register(cache)  # what it computed stays for the sessions that start the same way
             keep, bs = self.blocks_for(position), self.block_size
-            for block in cache.blocks[keep:]:
+            for block in reversed(cache.blocks[keep:]):  # the last first: the LRU evicts a prefix's tail first
                 self._drop(block)
             del cache.blocks[keep:]
             if cache.attached > position:
@@ -203,7 +204,9 @@ class KVPool:
                 cache.attached = position
             cache.length = min(cache.length, position)
             last = cache.blocks[-1] if cache.blocks else NULL_BLOCK
-            if position % bs and (self.refs[last] > 1 or last in self.key_of):
+            if position % bs and self.refs[last] == 1 and last in self.key_of:  # its own: out of the index
+                del self.cached[self.key_of.pop(last)]
+            elif position % bs and self.refs[last] > 1:
                 if (own := self._fresh()) is None:  # no room for its own copy: it can only be replayed
                     self._preempt(cache)
                     raise Preempted(PREEMPTED)
@@ -261,7 +264,12 @@ class KVPool:
             victims = []
             while len(cache.blocks) < self.blocks_for(end):
                 if (block := self._fresh()) is None:
-                    victim = max((c for c in self.caches.values() if c.blocks), key=lambda c: c.order)
+                    holders = [c for c in self.caches.values() if c.blocks]
+                    # The newest that frees a block (one whose blocks all have other holders frees none).
+                    freeing = [c for c in holders if any(self.refs[b] == 1 for b in c.blocks)]
+                    if not freeing:
+                        raise PoolExhausted("KV pool full: every block is held by sessions that share it; retry later")
+                    victim = max(freeing, key=lambda c: c.order)
                     self._preempt(victim)
                     victims.append(victim)
                     if victim is cache:
@@ -270,14 +278,6 @@ class KVPool:
                 cache.blocks.append(block)
             self.peak_blocks_used = max(self.peak_blocks_used, self.blocks_used)
             return victims
-
-    def trim(self, cache: SessionCache) -> None:
-        """Returns the blocks past cache.length (a step that failed took them)."""
-        with self._lock:
-            keep = self.blocks_for(cache.length)
-            for block in reversed(cache.blocks[keep:]):
-                self._drop(block)
-            del cache.blocks[keep:]
 
     def _give_back(self, cache: SessionCache) -> None:
         self._register(cache)  # what it computed stays for the sessions that start the same way

@@ -81,9 +81,10 @@ class SessionTable:
         if self.prefix_cache and prefix_ids:  # only what the session can reach counts (the rest would cost hashing)
             keys = self.pool.prefix_keys(prefix_ids[: max_length - 1], prefix_salt)
         cache = self.pool.allocate(max_length, keys)  # raises PoolExhausted
-        # A log from position 0 only: one whose first positions were attached cannot rebuild a next stage.
+        # A log whose session starts past 0 (positions attached) drops itself at its first step: no next stage
+        # can be rebuilt from it; one rewound to 0 at its first step (the chain's other stages had less) logs all.
         session = Session(session_id, request_id, cache, owner, route=route or Route(),
-                          output=OutputLog(self.log_budget) if keep_output and not cache.attached else None)
+                          output=OutputLog(self.log_budget) if keep_output else None)
         self.sessions[session_id] = session
         return session
 

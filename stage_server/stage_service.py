@@ -75,6 +75,16 @@ def caller_of(context: grpc.aio.ServicerContext) -> str:
     return context.peer()
 
 
+def prefix_domain(context: grpc.aio.ServicerContext) -> str:
+    """Who shares the stage's prefix cache: with --tls every mesh member (all present the mesh's certificate),
+    else the callers of one host (the peer's address without its port). A block is indexed under the tokens its
+    opener named, which the stage cannot check past the first stage: a caller elsewhere must not put KV under
+    another caller's prompt."""
+    if context.auth_context().get("x509_pem_cert"):
+        return "mesh"
+    return context.peer().rsplit(":", 1)[0]
+
+
 class StageService(stage_pb2_grpc.StageServicer):
     def __init__(self, model: StageModel, sessions: SessionTable, batcher: StepBatcher, model_name: str,
                  fingerprint: str, address: str = "", tls: Tls | None = None):
@@ -109,7 +119,8 @@ class StageService(stage_pb2_grpc.StageServicer):
                       request.previous_address, request.repairable)
         session = self.sessions.open(request.session_id, request.max_length, request_id, caller_of(context), route,
                                      keep_output=request.keep_output and not self.model.is_last,
-                                     prefix_ids=list(request.prefix_ids), prefix_salt=request.prefix_salt)
+                                     prefix_ids=list(request.prefix_ids),
+                                     prefix_salt=f"{prefix_domain(context)}|{request.prefix_salt}")
         attached = session.cache.attached
         log.info(f"session opened{f', {attached} positions from the prefix cache' if attached else ''}",
                  extra=self._extra(request.session_id, request_id))

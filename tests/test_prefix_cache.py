@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 from router.chain_client import Chain, ChainSession, Sampling, StageEndpoint
 from router.generation import GenerationConfig
 from stage_server.kv_pool import KVPool, PoolExhausted, Preempted
+from stage_server.stage_service import prefix_domain
 from stagemesh import tensor_codec
 from stagemesh.tiny_model import make_tiny_model
 from stagemesh.v1 import stage_pb2
@@ -97,15 +98,18 @@ def test_a_first_step_before_the_attached_positions_lets_the_rest_go():
     first = p.allocate(64, p.prefix_keys(list(range(12)), ""))
     computed(p, first, 12)
     p.release(first)
-    c = p.allocate(64, p.prefix_keys(list(range(13)), ""))
-    assert c.attached == 12
+    c, d = (p.allocate(64, p.prefix_keys(list(range(13)), "")) for _ in range(2))
+    assert c.attached == d.attached == 12
     p.rewind(c, 4)
-    assert (c.length, len(c.blocks), p.blocks_used) == (4, 1, 1)
+    assert (c.length, len(c.blocks), p.blocks_used) == (4, 1, 3)
     shared = c.blocks[0]
-    p.rewind(c, 2)  # inside a shared block: the session gets its own copy to write into
+    p.rewind(c, 2)  # inside a block d holds too: c gets its own copy to write into
     assert c.blocks[0] != shared and torch.equal(p.k[:, c.blocks[0] * 4: c.blocks[0] * 4 + 2],
                                                  p.k[:, shared * 4: shared * 4 + 2])
+    p.rewind(d, 2)  # d alone holds it now: it keeps the block, which leaves the index (d writes into it)
+    assert d.blocks == [shared] and shared not in p.key_of and p.cached_blocks == 2
     p.release(c)
+    p.release(d)
     assert p.blocks_used == 0
 
 
@@ -119,6 +123,46 @@ def test_a_rewind_into_a_shared_block_with_no_room_to_copy_it_preempts_the_sessi
     with pytest.raises(Preempted):
         p.rewind(a, 6)  # it would write positions 6 and 7 of a block b reads
     assert a.preempted and not a.blocks and b.blocks == [1, 2] and p.refs[1:] == [1, 1]
+
+
+def test_a_dry_pool_preempts_a_session_that_frees_a_block_not_one_that_only_shares():
+    p = pool(4, lookahead=0)
+    first = p.allocate(16, p.prefix_keys(list(range(8)), ""))
+    computed(p, first, 8)
+    p.release(first)
+    a = p.allocate(64)
+    computed(p, a, 8)  # 2 blocks of its own: the pool is dry after b and c
+    b = p.allocate(16, p.prefix_keys(list(range(9)), ""))
+    c = p.allocate(16, p.prefix_keys(list(range(9)), ""))  # the newest, but every block it holds is b's too
+    assert (b.attached, c.attached, len(p.free), len(p.evictable)) == (8, 8, 0, 0)
+    assert p.grow(b, 9) == [a]  # c would free nothing
+    assert not c.preempted and p.preemptions == 1
+
+
+def test_a_rewound_prefix_is_evicted_tail_first():
+    p = pool(6, lookahead=0)
+    first = p.allocate(16, p.prefix_keys(list(range(12)), ""))
+    computed(p, first, 12)
+    head, middle, tail = first.blocks
+    p.rewind(first, 0)
+    assert list(p.evictable) == [tail, middle, head]  # the least useful first: a prefix's tail alone matches nothing
+
+
+def test_the_prefix_cache_is_shared_by_one_host_or_the_mesh_not_by_anyone():
+    class Context:
+        def __init__(self, peer: str, cert: bool = False):
+            self._peer, self._cert = peer, cert
+
+        def peer(self) -> str:
+            return self._peer
+
+        def auth_context(self) -> dict:
+            return {"x509_pem_cert": [b"..."]} if self._cert else {}
+
+    assert prefix_domain(Context("ipv4:10.0.0.5:40001")) == prefix_domain(Context("ipv4:10.0.0.5:40002"))
+    assert prefix_domain(Context("ipv4:10.0.0.5:40001")) != prefix_domain(Context("ipv4:10.0.0.6:40001"))
+    assert prefix_domain(Context("ipv6:[::1]:5000")) == "ipv6:[::1]"
+    assert prefix_domain(Context("ipv4:10.0.0.5:1", cert=True)) == prefix_domain(Context("ipv4:10.0.0.6:1", cert=True))
 
 
 async def _logits_after(addresses: list[str], ids: list[int],
