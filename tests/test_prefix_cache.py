@@ -389,3 +389,32 @@ async def test_a_stream_that_started_from_the_cache_is_replayed_when_its_middle_
         assert last.cached_tokens == 2 * BS  # the other chain's stages had the prompt's 2 blocks as well
     finally:
         await mesh.stop()
+
+
+async def test_an_output_log_covers_every_position_unless_the_session_started_from_the_cache(tiny_model):
+    """Repair rebuilds a stage from the one before's log of positions 0 on: a stage that attached blocks but was
+    rewound to 0 at the first step (the next stage had none) logs them all; one that started past 0 has no log."""
+    mesh = await start_mesh(tiny_model, [splits(3, 5)], router=False)
+    chain = Chain([StageEndpoint(s.address) for s in mesh.stages[0]])
+    ids = prompt(40, seed=60)
+
+    async def logged(session) -> int | grpc.StatusCode:
+        read = chain.stages[0].stub.ReadOutput(stage_pb2.ReadOutputRequest(session_id=session.session_id,
+                                                                           end=len(ids)))
+        try:
+            return sum(c.hidden.shape[0] for c in [c async for c in read])
+        except grpc.aio.AioRpcError as exc:
+            return exc.code()
+
+    try:
+        await _logits_after([chain.stages[0].address], ids, ids[:-1])  # the first stage alone: 2 blocks cached
+        for started in (0, 2 * BS):  # the second stage had nothing, then the blocks the first session left
+            async with ChainSession(chain, max_length=64, request_id="log", keep_output=True,
+                                    prefix_ids=ids[:-1]) as session:
+                assert session.position == started
+                await session.step(ids[started:], sampling=Sampling())
+                assert await logged(session) == (len(ids) if not started else grpc.StatusCode.FAILED_PRECONDITION)
+    finally:
+        for stage in chain.stages:
+            await stage.close()
+        await mesh.stop()
