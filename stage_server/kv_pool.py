@@ -72,6 +72,8 @@ class SessionCache:
     i * block_size onward); its blocks are registered under them as they are computed."""
     attached: int = 0
     """Positions attached from the prefix cache at open (0: none); until its first step, all it holds."""
+    registered: int = 0
+    """Its leading full blocks already offered to the prefix index: each is looked at once, not at every step."""
 
     @property
     def capacity(self) -> int:
@@ -182,6 +184,7 @@ class KVPool:
             for block in attach:
                 self._take(block)
             cache.blocks = attach
+            cache.registered = len(attach)
             cache.length = cache.attached = len(attach) * self.block_size
             self.prefix_hit_positions += cache.attached
             self.caches[id(cache)] = cache
@@ -190,15 +193,17 @@ class KVPool:
 
     def rewind(self, cache: SessionCache, position: int) -> None:
         """cache keeps positions 0..position-1 and lets go of the blocks past them: a first step that starts
-        before the positions attached at open (the chain's other stages had fewer cached), or a repair's
-        rewind. A block it keeps in part becomes its own (copied if another session or the index has it),
-        since it writes the rest of it again; the router's starts lie on block boundaries, so that is rare."""
+        before the positions attached at open (the chain's other stages had fewer cached), a failed step, or a
+        repair's rewind. A block it keeps in part becomes its own, since it writes the rest of it again: out of
+        the index if only the index has it, copied if another session holds it too (the router's starts lie on
+        block boundaries, so that is rare)."""
         with self._lock:
             self._register(cache)  # what it computed stays for the sessions that start the same way
             keep, bs = self.blocks_for(position), self.block_size
             for block in reversed(cache.blocks[keep:]):  # the last first: the LRU evicts a prefix's tail first
                 self._drop(block)
             del cache.blocks[keep:]
+            cache.registered = min(cache.registered, position // bs)  # a block kept in part is offered again
             if cache.attached > position:
                 self.prefix_hit_positions -= cache.attached - position  # attached, then not used
                 cache.attached = position
@@ -246,11 +251,12 @@ class KVPool:
     def _register(self, cache: SessionCache) -> None:
         """Indexes cache's computed full blocks under its prefix keys (first come, first kept)."""
         done = min(len(cache.prefix_keys), cache.length // self.block_size, len(cache.blocks))
-        for i in range(cache.attached // self.block_size, done):
+        for i in range(cache.registered, done):
             key, block = cache.prefix_keys[i], cache.blocks[i]
             if key not in self.cached and block not in self.key_of:
                 self.cached[key] = block
                 self.key_of[block] = key
+        cache.registered = max(cache.registered, done)
 
     def grow(self, cache: SessionCache, end: int) -> list[SessionCache]:
         """Gives cache the blocks for positions [0, end), preempting the newest sessions while the pool is
@@ -264,9 +270,8 @@ class KVPool:
             victims = []
             while len(cache.blocks) < self.blocks_for(end):
                 if (block := self._fresh()) is None:
-                    holders = [c for c in self.caches.values() if c.blocks]
                     # The newest that frees a block (one whose blocks all have other holders frees none).
-                    freeing = [c for c in holders if any(self.refs[b] == 1 for b in c.blocks)]
+                    freeing = [c for c in self.caches.values() if any(self.refs[b] == 1 for b in c.blocks)]
                     if not freeing:
                         raise PoolExhausted("KV pool full: every block is held by sessions that share it; retry later")
                     victim = max(freeing, key=lambda c: c.order)
@@ -280,6 +285,7 @@ class KVPool:
             return victims
 
     def _give_back(self, cache: SessionCache) -> None:
+        cache.registered = cache.attached // self.block_size  # at its end, each block is offered once more
         self._register(cache)  # what it computed stays for the sessions that start the same way
         for block in reversed(cache.blocks):
             self._drop(block)
