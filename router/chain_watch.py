@@ -19,10 +19,18 @@ async def follow_chains(registry: Registry, model_name: str, chains: ChainSet) -
     index = 0
     unreachable = False
     rejected = b""
+    missing = False
     while True:
         try:
             index, entry = await registry.watch_key(chains_key(model_name), index, timeout_s=30)
             raw = entry.value if entry else None
+            if raw is None and chains.chains:  # a registry restarted empty: its scheduler has not planned yet
+                if not missing:
+                    log.warning(f"the registry holds no chain table (restarted?); serving on the last known "
+                                f"{len(chains.chains)} chain(s) until a scheduler publishes one")
+                    missing = True
+                continue
+            missing = False
             try:
                 published = decode_chains(raw)
             except ValueError as exc:
@@ -32,8 +40,7 @@ async def follow_chains(registry: Registry, model_name: str, chains: ChainSet) -
                     rejected = raw or b""
                 continue
             chains.plan = published_plan(raw) or ""
-            if chains.replace(published):
-                await chains.refresh()
+            await chains.adopt(published)
             if unreachable:
                 log.info("registry reachable again")
                 unreachable = False

@@ -80,9 +80,31 @@ class ChainSet:
         # back as it is, so its streams keep counting against it and its channels stay open.
         self._withdrawn: dict[str, Chain] = {}
 
-    def replace(self, published) -> bool:
+    async def adopt(self, published) -> None:
+        """Follows a new table (discovery.chain_table.PublishedChain) make-before-break: the chains it adds are
+        checked before they replace the ones they succeed, so a re-plan that renames every chain leaves no
+        moment without a usable one."""
+        known = {c.chain_id for c in self.chains} | set(self._withdrawn)
+        fresh = {p.chain_id: self._new_chain(p) for p in published if p.chain_id not in known}
+        results = await asyncio.gather(*(self.check(c) for c in fresh.values()))
+        for chain, result in zip(fresh.values(), results, strict=True):
+            chain.healthy = bool(result)
+            if chain.healthy:
+                log.info(f"chain {chain.chain_id} ({chain.label}) is up", extra={"chain": chain.chain_id})
+        if self.replace(published, fresh):
+            await self.refresh()
+        for chain in fresh.values():  # built for an id the table names twice: never adopted
+            for stage in chain.stages:
+                background(stage.close())
+
+    def _new_chain(self, p) -> Chain:
+        return Chain([StageEndpoint(s.address, s.layer_start, s.layer_end, tls=self.tls, tp=s.tp) for s in p.stages],
+                     chain_id=p.chain_id, healthy=False, fingerprint=p.fingerprint)  # healthy after its first check
+
+    def replace(self, published, fresh: dict[str, Chain] | None = None) -> bool:
         """Adopts the scheduler's chains (discovery.chain_table.PublishedChain); a chain that stays keeps
-        its state and channels. True if anything changed."""
+        its state and channels; `fresh` holds chains adopt() built (and checked) for new ids. True if
+        anything changed."""
         existing = {c.chain_id: c for c in self.chains}
         wanted = [p.chain_id for p in published]
         retyped = False
@@ -101,10 +123,7 @@ class ChainSet:
                 log.info(f"chain {chain.chain_id} ({chain.label}) published again", extra={"chain": chain.chain_id})
                 chain.withdrawn = False
             if chain is None:
-                stages = [StageEndpoint(s.address, s.layer_start, s.layer_end, tls=self.tls, tp=s.tp)
-                          for s in p.stages]
-                chain = Chain(stages, chain_id=p.chain_id, healthy=False,  # healthy after its first check
-                              fingerprint=p.fingerprint)
+                chain = (fresh or {}).pop(p.chain_id, None) or self._new_chain(p)
             new.append(chain)
         gone = [c for c in self.chains if c.chain_id not in wanted_ids]
         self.chains = new

@@ -30,6 +30,7 @@ class Host:
     tp: int = 1  # ranks of its tensor-parallel group: one stage, one host; memory_bytes and speed are the group's
     machine: str = ""  # the physical host it runs on (its --host-id); "" when not announced
     devices: int = 1  # accelerator devices that machine has
+    serving: tuple[int, int] | None = None  # the range it has loaded and serves now (None: nothing yet)
 
 
 @dataclass(frozen=True)
@@ -194,6 +195,29 @@ def _still_valid(model, config, chain: ChainPlan, by_id: dict[str, Host]) -> boo
         if _max_layers(model, config, h, i == 0, s.layer_end == n) < s.layer_end - s.layer_start:
             return False
     return True
+
+
+def serving_plan(model: ModelFootprint, hosts: list[Host], published: list[ChainPlan] = ()) -> Plan:
+    """The chains these hosts serve as they stand (each host's loaded range), as a `previous` plan for a
+    scheduler that starts leading: the chains the registry last published where every host still serves its
+    range there, then chains joined up from the other serving hosts' ranges, 0 to the last layer. Planning
+    from it moves no layer that works, however the registry's state was lost or who planned before."""
+    n, by_id = model.num_layers, {h.host_id: h for h in hosts}
+    chains = [c for c in published
+              if all((h := by_id.get(s.host_id)) and h.serving == (s.layer_start, s.layer_end) for s in c.stages)]
+    used = {s.host_id for c in chains for s in c.stages}
+    for first in sorted((h for h in hosts if h.serving and h.serving[0] == 0 and h.host_id not in used),
+                        key=lambda h: h.host_id):
+        stages, end = [first], first.serving[1]
+        while end < n and (following := min((h for h in hosts if h.serving and h.serving[0] == end
+                                             and h.fingerprint == first.fingerprint and h.host_id not in used
+                                             and h not in stages), key=lambda h: h.host_id, default=None)):
+            stages.append(following)
+            end = following.serving[1]
+        if end == n:
+            chains.append(ChainPlan([StagePlan(h.host_id, *h.serving) for h in stages], first.fingerprint))
+            used |= {h.host_id for h in stages}
+    return Plan(chains, [], "")
 
 
 def _describe(model, config, chain: ChainPlan, by_id: dict[str, Host]) -> list[str]:

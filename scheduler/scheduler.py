@@ -15,7 +15,7 @@ from typing import get_args
 from scheduler import placement, tp_advice
 from stagemesh.checkpoint import QUANTIZE, ModelArgs, ModelFootprint, Quantization, ServingDtype, read_config
 from stagemesh.config_flags import NOT_A_FLAG, PORT_RULE, refused
-from stagemesh.discovery.chain_table import PublishedChain, PublishedStage, encode_chains
+from stagemesh.discovery.chain_table import PublishedChain, PublishedStage, decode_chains, encode_chains
 from stagemesh.discovery.registry import (
     Registry,
     RegistryError,
@@ -45,6 +45,10 @@ class SchedulerConfig:
     """Seconds before a standby scheduler takes over from a leader that stopped renewing its lock."""
     placement: placement.PlacementConfig = field(default_factory=placement.PlacementConfig)
     tracing: TracingConfig = field(default_factory=TracingConfig)
+    settle_s: float = 3.0
+    """Seconds a leader that finds no chain table in the registry (a first start, or a registry restarted
+    empty) watches registrations before it assigns or publishes anything: stages that already serve register
+    again within a heartbeat or two, and are kept as they serve instead of being planned as they trickle in."""
     registry: str = "local"
     """'local' hosts the embedded registry in this process; or local://HOST:PORT, consul://HOST:PORT,
     consul+https://HOST:PORT, etcd://HOST:PORT[,HOST:PORT...], etcd+https://HOST:PORT[,HOST:PORT...]."""
@@ -66,6 +70,8 @@ class SchedulerConfig:
             raise ValueError(f"--quantize {self.quantize!r}: use one of {', '.join(QUANTIZE)}")
         if not self.lock_ttl_s > 0:
             raise refused(self, "lock_ttl_s", "must be > 0 seconds (a standby takes over after it)")
+        if not self.settle_s >= 0:
+            raise refused(self, "settle_s", "must be >= 0 seconds")
         if not 0 <= self.registry_port <= 65535:
             raise refused(self, "registry_port", PORT_RULE)
 
@@ -90,9 +96,10 @@ def host_of(status: ServiceStatus, num_layers: int) -> placement.Host:
         raise ValueError(f"budget_bytes {budget} must be > 0")
     if not (math.isfinite(speed) and speed > 0):
         raise ValueError(f"speed {speed} must be finite and > 0")
+    serving = parse_layers(meta["layers"], num_layers) if meta.get("ready") == "1" and meta.get("layers") else None
     return placement.Host(host_id=status.record.service_id, memory_bytes=budget, speed=speed, fixed_layers=fixed,
                           fingerprint=meta.get("fingerprint", ""), tp=tp, machine=meta.get("host", ""),
-                          devices=devices)
+                          devices=devices, serving=serving)
 
 
 def serves(status: ServiceStatus, start: int, end: int) -> bool:
@@ -113,6 +120,7 @@ class Scheduler:
         self._assigned: dict[str, str] = {}
         self._versions: dict[str, int] = {}  # key -> modify_index of this leader's last write
         self._reported: set[str] = set()  # problems already logged: each once, not once per poll
+        self._found: list[placement.ChainPlan] = []  # the chains published when this leader took over
 
     @property
     def name(self) -> str:
@@ -151,20 +159,31 @@ class Scheduler:
         loop = asyncio.get_running_loop()
         ttl = self.config.lock_ttl_s
         index, renewed = 0, loop.time()
-        # Start from what the previous leader published, so a takeover changes nothing that works.
-        self.published = None
+        # Start from what serves (placement.serving_plan), so a takeover changes nothing that works.
+        self.plan, self.published = None, None
         self._versions = {}
         self._assigned = {
             e.key.rsplit("/", 1)[1]: e.value.decode()
             for e in await self.registry.kv_list(assignments_prefix(self.name))
         }
+        table, _ = await self.registry.kv_get(chains_key(self.name))
+        try:
+            self._found = [placement.ChainPlan([placement.StagePlan(s.service_id, s.layer_start, s.layer_end)
+                                                for s in c.stages], c.fingerprint) for c in decode_chains(table)]
+        except ValueError:
+            self._found = []
+        settled = loop.time() + (self.config.settle_s if table is None else 0.0)
+        if table is None:
+            log.info(f"no chain table in the registry: watching registrations for {self.config.settle_s:g}s "
+                     "before planning")
         while True:
             index, services = await self.registry.watch_services(index, timeout_s=ttl / 3, model=self.name)
             if loop.time() - renewed >= ttl / 3:
                 if not await self.registry.renew_lock(leader_key(self.name), self.config.scheduler_id):
                     return
                 renewed = loop.time()
-            await self.reconcile(services)
+            if loop.time() >= settled:
+                await self.reconcile(services)
 
     async def _write(self, key: str, value: bytes) -> bool:
         """Check-and-set against the version this leader last wrote (or read at takeover): a write that
@@ -191,7 +210,8 @@ class Scheduler:
                 live[s.record.service_id] = s
             except ValueError as exc:
                 self._report(f"ignoring registration {s.record.service_id}: {exc}")
-        new_plan = placement.plan(self.footprint, hosts, self.config.placement, previous=self.plan)
+        previous = self.plan or placement.serving_plan(self.footprint, hosts, self._found)
+        new_plan = placement.plan(self.footprint, hosts, self.config.placement, previous=previous)
         advice = tp_advice.advise(self.footprint, self.model_args, self.config.placement, hosts, new_plan)
         new_plan.explanation += "".join("\n" + line for line in advice)
         if self.plan is None or new_plan.assignments() != self.plan.assignments():

@@ -14,6 +14,9 @@ import grpc
 import pytest
 
 from stagemesh import grpc_server
+from stagemesh.discovery.backends import open_registry
+from stagemesh.discovery.chain_table import decode_chains
+from stagemesh.discovery.registry import RegistryError, chains_key
 from stagemesh.fault_mesh import FaultMesh
 from stagemesh.launcher import stage_env, start_local_mesh
 from stagemesh.v1 import router_pb2, router_pb2_grpc, stage_pb2, stage_pb2_grpc
@@ -198,10 +201,33 @@ async def test_a_poisonous_request_among_the_streams(pm, expected):
     assert all(isinstance(r, list) for r in results)
 
 
+async def _chain_ids(stub) -> list[tuple[str, bool]]:
+    return sorted((c.chain_id, c.healthy) for c in (await stub.ListChains(router_pb2.ListChainsRequest(),
+                                                                           timeout=5)).chains)
+
+
+async def _published_ids(registry_url: str, model_name: str) -> list[str] | None:
+    """The chain ids the registry's table names, or None while it holds no table (or cannot be reached)."""
+    registry = open_registry(registry_url)
+    try:
+        raw, _ = await registry.kv_get(chains_key(model_name))
+    except RegistryError:
+        return None
+    finally:
+        await registry.close()
+    return None if raw is None else sorted(c.chain_id for c in decode_chains(raw))
+
+
+def _loads(mesh) -> int:
+    """How many ranges the stages were told to load, all told (their logs say each)."""
+    return sum(p.log_path.read_text().count("assigned layers") for p in mesh.processes if p.name.startswith("stage"))
+
+
 async def test_kill_the_registry_and_restart_it(tiny_model, expected, tmp_path):
-    """The registry (hosted by the scheduler process) is killed mid-stream and restarted on its port:
-    streams and routers carry on with the chains they know; stages register again and the mesh is
-    scheduled again."""
+    """The registry (hosted by the scheduler process) is killed mid-stream and restarted on its port, empty:
+    streams and routers carry on with the chains they know; stages register again, and the new scheduler
+    publishes the chains that serve as they are. At no moment does the router lose a chain: a restarted
+    registry holds no chain table until its scheduler has seen the stages, and no stage is moved."""
     mesh, router = start_local_mesh(str(tiny_model), stages=2, replicas=2, router_port=0, registry="local",
                                     threads=1, log_dir=tmp_path)
     try:
@@ -211,6 +237,7 @@ async def test_kill_the_registry_and_restart_it(tiny_model, expected, tmp_path):
         async with grpc_server.insecure_channel(router.address) as channel:
             stub = router_pb2_grpc.RouterStub(channel)
             await _until(lambda: _healthy_chains_is(stub, 2), 90, "two chains published")
+            before = await _chain_ids(stub)
             running = [asyncio.Event() for _ in prompts]
             streams = [asyncio.ensure_future(_stream(stub, p, r)) for p, r in zip(prompts, running, strict=True)]
             await asyncio.wait_for(asyncio.gather(*(r.wait() for r in running)), 60)
@@ -225,11 +252,22 @@ async def test_kill_the_registry_and_restart_it(tiny_model, expected, tmp_path):
                 "scheduler", "--model", str(tiny_model), "--registry", "local", "--registry-port", registry_port],
                 stage_env(1))
             assert restarted.address.endswith(f":{registry_port}")
-            await _until(lambda: _healthy_chains_is(stub, 2), 90, "two chains again after the restart")
+            loads_before = _loads(mesh)
+            seen = []  # what the router lists, every 0.1 s, until the new table has been out for 3 s
+            deadline, published_at = time.monotonic() + 90, None
+            while published_at is None or time.monotonic() < published_at + 3:
+                assert time.monotonic() < deadline, f"no table of 2 chains published within 90 s: {seen[-1:]}"
+                seen.append(await _chain_ids(stub))
+                if published_at is None and await _published_ids(
+                        f"local://127.0.0.1:{registry_port}", tiny_model.name) == [i for i, _ in before]:
+                    published_at = time.monotonic()
+                await asyncio.sleep(0.1)
+            assert [s for s in seen if s != before] == [], "the router's chains changed through the restart"
             ids = [t async for r in stub.Generate(router_pb2.GenerateRequest(token_ids=prompts[2],
                                                                               max_new_tokens=NEW_TOKENS), timeout=60)
                    for t in r.token_ids]
             assert ids == wanted[2]
         assert all(p.popen.poll() is None for p in mesh.processes if p is not scheduler)
+        assert _loads(mesh) == loads_before, "a stage was given another range after the restart"
     finally:
         mesh.stop()

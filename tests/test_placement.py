@@ -12,8 +12,11 @@ from safetensors import safe_open
 from scheduler.placement import (
     Host,
     PlacementConfig,
+    ChainPlan,
     Plan,
+    StagePlan,
     plan,
+    serving_plan,
     split_layers,
     usable_bytes,
 )
@@ -235,6 +238,34 @@ def test_replan_keeps_intact_chains_and_repairs_the_broken_one():
     assert "kept from the previous plan" in second.explanation
     assert len(second.chains) == 2
     assert_sound(second, survivors)
+
+
+def test_a_new_leader_keeps_the_chains_that_serve_as_they_are():
+    """A scheduler that starts leading on a registry that lost its state (restarted empty) sees hosts that
+    serve ranges a fresh plan would not choose (3 + 5 layers, and a pairing by newest host): it moves none."""
+    hosts = [Host("a", HALF, serving=(0, 3)), Host("b", WHOLE, serving=(3, 8)), Host("c", HALF, serving=(0, 4)),
+             Host("d", HALF, serving=(4, 8)), Host("e", HALF)]
+    fresh = plan(MODEL, hosts)
+    assert layout(fresh) != [[("a", 0, 3), ("b", 3, 8)], [("c", 0, 4), ("d", 4, 8)]]
+    kept = plan(MODEL, hosts, previous=serving_plan(MODEL, hosts))
+    assert layout(kept) == [[("a", 0, 3), ("b", 3, 8)], [("c", 0, 4), ("d", 4, 8)]]
+    assert kept.spare == ["e"]
+    assert_sound(kept, hosts)
+
+
+def test_a_new_leader_keeps_the_published_pairing_of_interchangeable_hosts():
+    """Two chains of interchangeable halves: the published table says which first half feeds which second
+    half (their chain ids, which routers know, depend on it); hosts that no longer serve their range there
+    are paired afresh from what they serve, and a host without a loaded range is planned as usual."""
+    hosts = [Host("a", HALF, serving=(0, 4)), Host("b", HALF, serving=(0, 4)), Host("c", HALF, serving=(4, 8)),
+             Host("d", HALF, serving=(4, 8))]
+    published = [ChainPlan([StagePlan("a", 0, 4), StagePlan("d", 4, 8)]),
+                 ChainPlan([StagePlan("b", 0, 4), StagePlan("c", 4, 8)])]
+    assert layout(serving_plan(MODEL, hosts, published)) == [[("a", 0, 4), ("d", 4, 8)], [("b", 0, 4), ("c", 4, 8)]]
+    moved = [Host("a", HALF, serving=(0, 4)), Host("b", HALF, serving=(4, 8)), Host("c", HALF, serving=(0, 4)),
+             Host("d", HALF, serving=(4, 8))]  # b and c were given each other's range since
+    assert layout(serving_plan(MODEL, moved, published)) == [[("a", 0, 4), ("d", 4, 8)], [("c", 0, 4), ("b", 4, 8)]]
+    assert layout(serving_plan(MODEL, [Host("a", HALF, serving=(0, 4)), Host("b", HALF)], published)) == []
 
 
 def test_replan_drops_a_chain_whose_host_changed_its_fixed_range():
