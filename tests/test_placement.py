@@ -10,9 +10,9 @@ import pytest
 from safetensors import safe_open
 
 from scheduler.placement import (
+    ChainPlan,
     Host,
     PlacementConfig,
-    ChainPlan,
     Plan,
     StagePlan,
     plan,
