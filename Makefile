@@ -26,9 +26,11 @@ protos: install
 lint: install
 	$(BIN)/ruff check .
 
+# Test files run side by side, one per core (at most 4 at once): most of the suite waits on processes it started.
+# A file runs whole on one worker, so its module-scoped meshes are started once.
 test: install
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -ra
+	$(BIN)/python -m pytest -q -ra -n auto --maxprocesses 4 --dist loadfile
 
 run: install
 	$(BIN)/stagemesh up --stages $(STAGES) $(if $(MODEL),--model $(MODEL),)

@@ -281,7 +281,17 @@ Ctrl-C (or SIGTERM) stops everything: the router drains first, then the stages, 
 
 
 def ensure_tiny_model(path: Path) -> Path:
+    """The tiny model at `path`, made if missing. Made beside it and renamed into place, so that two processes
+    that make it at once (two benchmarks, two `make run`) never read a half-written one."""
     if (path / "config.json").exists():
         return path
     print(f"making a tiny random model in {path} (no model hub needed)", flush=True)
-    return make_tiny_model(path, "llama")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{path.name}-") as scratch:
+        made = make_tiny_model(Path(scratch) / path.name, "llama")
+        try:
+            made.rename(path)
+        except OSError:  # another process put its own there first: the same random model (seed 0)
+            if not (path / "config.json").exists():
+                raise
+    return path
