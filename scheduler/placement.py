@@ -203,9 +203,14 @@ def serving_plan(model: ModelFootprint, hosts: list[Host], published: list[Chain
     range there, then chains joined up from the other serving hosts' ranges, 0 to the last layer. Planning
     from it moves no layer that works, however the registry's state was lost or who planned before."""
     n, by_id = model.num_layers, {h.host_id: h for h in hosts}
-    chains = [c for c in published
-              if all((h := by_id.get(s.host_id)) and h.serving == (s.layer_start, s.layer_end) for s in c.stages)]
-    used = {s.host_id for c in chains for s in c.stages}
+    chains: list[ChainPlan] = []
+    used: set[str] = set()
+    for c in published:  # anyone can write the table: a host named twice counts once
+        ids = [s.host_id for s in c.stages]
+        if len(set(ids)) == len(ids) and not used & set(ids) and all(
+                (h := by_id.get(s.host_id)) and h.serving == (s.layer_start, s.layer_end) for s in c.stages):
+            chains.append(c)
+            used |= set(ids)
     for first in sorted((h for h in hosts if h.serving and h.serving[0] == 0 and h.host_id not in used),
                         key=lambda h: h.host_id):
         stages, end = [first], first.serving[1]

@@ -266,6 +266,9 @@ def test_a_new_leader_keeps_the_published_pairing_of_interchangeable_hosts():
              Host("d", HALF, serving=(4, 8))]  # b and c were given each other's range since
     assert layout(serving_plan(MODEL, moved, published)) == [[("a", 0, 4), ("d", 4, 8)], [("c", 0, 4), ("b", 4, 8)]]
     assert layout(serving_plan(MODEL, [Host("a", HALF, serving=(0, 4)), Host("b", HALF)], published)) == []
+    twice = [ChainPlan([StagePlan("a", 0, 4), StagePlan("c", 4, 8)]),  # a garbage table: host a in two chains
+             ChainPlan([StagePlan("a", 0, 4), StagePlan("d", 4, 8)])]
+    assert layout(serving_plan(MODEL, hosts, twice)) == [[("a", 0, 4), ("c", 4, 8)], [("b", 0, 4), ("d", 4, 8)]]
 
 
 def test_replan_drops_a_chain_whose_host_changed_its_fixed_range():
