@@ -115,9 +115,9 @@ async def test_sessions_opened_and_never_stepped_do_not_hold_the_pool(tiny_model
         assert await status_of(stub.OpenSession(stage_pb2.OpenSessionRequest(session_id="late", max_length=100))) \
             == grpc.StatusCode.RESOURCE_EXHAUSTED  # the pool is full
         t0 = time.monotonic()
-        while (await stub.Info(stage_pb2.InfoRequest())).open_sessions > 1 and time.monotonic() - t0 < 5:
+        while (await stub.Info(stage_pb2.InfoRequest())).open_sessions > 1 and time.monotonic() - t0 < 60:
             await asyncio.sleep(0.05)
-        assert time.monotonic() - t0 < 2.0  # the short timeout, not the 300 s idle one
+        assert time.monotonic() - t0 < 60  # the short timeout (0.5 s), not the 300 s idle one; slow machines too
         await stub.OpenSession(stage_pb2.OpenSessionRequest(session_id="late", max_length=100))  # room again
         await call.write(step("worker", [7], start=2))  # the stepped session was left alone
         assert (await call.read()).HasField("token_id")
