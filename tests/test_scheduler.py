@@ -89,7 +89,10 @@ class ControlPlane:
         await self.registry_server.stop(0)
 
 
-async def wait_for_chains(stub, predicate, timeout: float = 15.0) -> list:
+async def wait_for_chains(stub, predicate, timeout: float = 60.0) -> list:
+    """The router's healthy chains once they satisfy predicate, or as they are at the timeout (the caller asserts).
+    The default bound covers a new leader's settling (--settle-s) and a tensor-parallel stage's rank processes
+    starting on a loaded machine."""
     deadline = time.monotonic() + timeout
     while True:
         chains = [c for c in (await stub.ListChains(router_pb2.ListChainsRequest())).chains if c.healthy]
