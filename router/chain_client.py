@@ -240,8 +240,14 @@ class ChainSession:
         return stage.stub.Forward(timeout=self._timeout(), metadata=((REQUEST_ID_KEY, self.request_id),))
 
     async def _open_streams(self) -> None:
-        for stage in self.chain.stages:
-            self._streams.append(self._stream(stage))
+        for index, stage in enumerate(self.chain.stages):
+            call = self._stream(stage)
+            self._streams.append(call)
+            if index:
+                # Held by this stream from now on (its end closes the session there): the first step may be long
+                # in coming, queued behind other prompts on the stages before it, and is not left unused.
+                with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):  # said at the first read
+                    await call.write(stage_pb2.ForwardRequest(session_id=self.session_id, follow=True))
 
     async def __aenter__(self) -> ChainSession:
         try:

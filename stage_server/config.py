@@ -110,9 +110,10 @@ class StageConfig:
     session_timeout_s: float = field(default=300.0, metadata={"flag": "--session-timeout"})
     """Seconds after which an idle session is closed and its cache freed."""
     unstepped_session_timeout_s: float = 30.0
-    """Seconds after which a session opened and never stepped is closed: opening sessions without
-    stepping them must not hold the KV pool for the whole idle timeout. Longer than the first step of
-    a session can take to reach this stage (a long prompt's first chunk through the stages before it)."""
+    """Seconds after which a session opened and left is closed (never stepped, and no stream of its opener
+    holds it): opening sessions without using them must not hold the KV pool for the whole idle timeout. A
+    router's sessions are held by its streams from the open, so a first step queued for long on the stages
+    before this one (long prompts ahead of it) does not count against this."""
     stall_timeout_s: float = 30.0
     """Health turns NOT_SERVING while steps wait and no pass has finished for this long (a stuck
     compute thread), so that routers stop sending it work; it turns back when passes finish again."""

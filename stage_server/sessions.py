@@ -52,6 +52,12 @@ class Session:
     output: OutputLog | None = None
     """Repair: the hidden states it sent on (opened with keep_output, on a stage with a next stage)."""
 
+    @property
+    def in_use(self) -> bool:
+        """Stepped, or held by its router's stream (whose end closes it): a session whose first step is still
+        on its way (queued behind long prompts on the stages before this one) is in use, not left."""
+        return self.stepped or self.route.feed is not None
+
 
 class SessionTable:
     def __init__(self, pool: KVPool, max_position: int, log_budget: LogBudget | None = None,
@@ -127,11 +133,12 @@ class SessionTable:
         return True
 
     def expire_idle(self, timeout_s: float, unstepped_timeout_s: float | None = None) -> list[str]:
-        """Closes sessions idle for timeout_s, and those never stepped for unstepped_timeout_s (opening
-        sessions without stepping them must not hold the pool for the long idle timeout)."""
+        """Closes sessions idle for timeout_s, and those opened and left (never stepped, no stream holding them)
+        for unstepped_timeout_s: opening sessions without using them must not hold the pool for the long idle
+        timeout."""
         now = time.monotonic()
         short = timeout_s if unstepped_timeout_s is None else min(timeout_s, unstepped_timeout_s)
-        idle = [sid for sid, s in self.sessions.items() if now - s.last_used > (timeout_s if s.stepped else short)]
+        idle = [sid for sid, s in self.sessions.items() if now - s.last_used > (timeout_s if s.in_use else short)]
         for sid in idle:
             self.close(sid)
         return idle

@@ -40,7 +40,10 @@ class FaultMesh:
     """`chains` chains of `stages` stages as processes, each stage behind a LinkProxy; a router."""
 
     def __init__(self, model: str, log_dir: Path, *, chains: int = 2, stages: int = 2, num_layers: int,
-                 stage_args: tuple[str, ...] = (), router_args: tuple[str, ...] = ()):
+                 stage_args: tuple[str, ...] = (), router_args: tuple[str, ...] = (), ready_timeout_s: float = 600.0):
+        """ready_timeout_s: how long the processes, started at once, may take to be ready. Generous: it is
+        waited out only by a mesh that fails to start, and 7 processes sharing 2 cores with another test
+        file's took over 120 s once."""
         self.model = str(model)
         self.mesh = LocalMesh(self.model, Path(log_dir))
         self.layers = even_split(num_layers, stages) * chains
@@ -57,7 +60,8 @@ class FaultMesh:
             *self.stages, self.router = self.mesh.spawn_together(
                 [*(self._stage_spec(i) for i in range(len(self.layers))),
                  ("router", ["router", "--model", self.model, "--port", "0", *router_args,
-                             *[a for spec in specs for a in ("--chain", spec)]])], stage_env(1))
+                             *[a for spec in specs for a in ("--chain", spec)]])], stage_env(1),
+                timeout=ready_timeout_s)
         except BaseException:
             self.stop()
             raise

@@ -74,6 +74,42 @@ async def _never(*_args, **_kwargs):
     await asyncio.Event().wait()
 
 
+@pytest.mark.parametrize("forwarding", [True, False], ids=["forwarding", "relay"])
+async def test_a_session_waiting_upstream_for_its_first_step_is_not_expired_downstream(tiny_model, hf_models,
+                                                                                       forwarding, monkeypatch):
+    """The first stage holds every session's first step back for 1.5 s, as a queue of long prompts ahead of
+    it does under load, longer than the stages' unstepped-session timeout (0.3 s here, 30 s by default). The
+    last stage's session is in use all along (its router holds it and will step it), so it must wait, not
+    expire: the stream's tokens are exact, on its one chain, with no failover."""
+    mesh = await start_mesh(tiny_model, [splits(4, 4)], router=False,
+                            stage_options={"unstepped_session_timeout_s": 0.3})
+    first, last = mesh.stages[0]
+    submit, held = first.batcher.submit, []
+
+    async def first_steps_held_up(req):
+        if req.start == 0:
+            held.append(req.session.session_id)
+            await asyncio.sleep(1.5)
+        return await submit(req)
+
+    monkeypatch.setattr(first.batcher, "submit", first_steps_held_up)
+    failovers = REGISTRY.get_sample_value("stagemesh_router_failovers_total") or 0.0
+    try:
+        stub = await router_over(mesh, tiny_model, [f"{first.address},{last.address}"], step_timeout_s=30.0,
+                                 forwarding=forwarding)
+        ids = prompt(16, seed=33)
+        got, _, _ = await collect(stub.Generate(request(ids, 12), timeout=60))
+        assert got == hf_greedy(hf_models["llama"], ids, 12)
+        assert len(held) == 1, "the first step was held up once: the stream was never replayed"
+        assert (REGISTRY.get_sample_value("stagemesh_router_failovers_total") or 0.0) == failovers
+        deadline = time.monotonic() + 30
+        while (len(first.sessions) or len(last.sessions)) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert len(first.sessions) == len(last.sessions) == 0, "every session closed once the stream ended"
+    finally:
+        await mesh.stop()
+
+
 async def test_a_full_pool_waits_with_backoff_then_refuses_clearly(tiny_model):
     """No hot retry loop: a request no chain has room for waits (a bounded number of attempts,
     backing off) and ends RESOURCE_EXHAUSTED; once room appears, the next one is served."""
