@@ -243,9 +243,7 @@ class ChainSession:
         for index, stage in enumerate(self.chain.stages):
             call = self._stream(stage)
             self._streams.append(call)
-            if index:
-                # Held by this stream from now on (its end closes the session there): the first step may be long
-                # in coming, queued behind other prompts on the stages before it, and is not left unused.
+            if index:  # held by this stream from now on: its first step may wait long on the stages before
                 with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):  # said at the first read
                     await call.write(stage_pb2.ForwardRequest(session_id=self.session_id, follow=True))
 

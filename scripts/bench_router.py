@@ -96,8 +96,10 @@ class InstantStage(stage_pb2_grpc.StageServicer):
         sent_at = None
         feed = None
         async for request in request_iterator:
-            if request.follow:  # forwarding, last stage: tokens come from Relay onto this stream
-                feed = self.feeds[request.session_id] = asyncio.Queue()
+            if request.follow:
+                if request.session_id not in self.routes:
+                    continue  # relay mode: the router holds the session on this stream; its steps follow
+                feed = self.feeds[request.session_id] = asyncio.Queue()  # forwarding: tokens come from Relay
                 break
             if sent_at is not None:
                 self.turnarounds.append(time.perf_counter() - sent_at)
