@@ -45,7 +45,7 @@ class Session:
     """Who opened it (the caller's connection): only they may step or close it."""
     last_used: float = field(default_factory=time.monotonic)
     stepped: bool = False
-    """Has had a step: until then it expires after the short unstepped timeout."""
+    """Has had a step: until then, unless a stream holds it (in_use), it expires after the short unstepped timeout."""
     closed: bool = False
     route: Route = field(default_factory=Route)
     """Forwarding: where its output goes, what it was told at open, where its router hears from it."""
