@@ -4,10 +4,12 @@ costs minutes, not bench.py's hour on the ~270M model.
 
     python scripts/bench_aggregate.py --code /tmp/before --code .            # tiny Llama, 2 stages, 32 and 64
     python scripts/bench_aggregate.py --medium --levels 32 --repeats 1 --code /tmp/before --code .
+    python scripts/bench_aggregate.py --medium --levels 32 --repeats 1 --also-with=--packed-weights
 
 Each --code DIR is a checkout whose stage and router processes run (`python -m stagemesh.cli` from DIR, started
 by that tree's own launcher); the trees take turns, --rounds times, each round a fresh mesh. --stage-arg and
---router-arg go to every tree's processes. Prints tokens/s per level, the median over every run, and each
+--router-arg go to every tree's processes; --also-with measures every tree a second time with more stage flags
+(an arm per tree and flag set, in the same turns). Prints tokens/s per level, the median over every run, and each
 tree's ratio to the first.
 """
 
@@ -90,6 +92,9 @@ def main() -> None:
     p.add_argument("--stage-arg", action="append", default=[], metavar="FLAG", help="e.g. --stage-arg=--compile")
     p.add_argument("--router-arg", action="append", default=[], metavar="FLAG",
                    help="e.g. --router-arg=--slots-per-chain=64")
+    p.add_argument("--also-with", action="append", default=[], metavar="FLAG",
+                   help="measure each tree again with these stage flags too, in turns "
+                        "(e.g. --also-with=--packed-weights)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.medium:
@@ -98,26 +103,29 @@ def main() -> None:
         return worker(a)
     if not Path(a.model).exists():
         sys.exit(f"no model at {a.model}: make it with scripts/make_tiny_model.py (bench.py --medium makes the ~270M)")
-    trees = [c.resolve() for c in a.code] or [ROOT]
-    runs: list[dict[str, list[float]]] = [{} for _ in trees]
+    # Each arm: a tree, and the stage flags it runs with besides --stage-arg's.
+    arms = [(c.resolve(), extra) for extra in ([[]] + ([a.also_with] if a.also_with else []))
+            for c in (a.code or [ROOT])]
+    runs: list[dict[str, list[float]]] = [{} for _ in arms]
     flags = [f"--stage-arg={x}" for x in a.stage_arg] + [f"--router-arg={x}" for x in a.router_arg]
     for _ in range(a.rounds):
-        for i, tree in enumerate(trees):
+        for i, (tree, extra) in enumerate(arms):
             cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--model", a.model, "--stages",
-                   str(a.stages), "--levels", ",".join(map(str, a.levels)), "--repeats", str(a.repeats), *flags]
+                   str(a.stages), "--levels", ",".join(map(str, a.levels)), "--repeats", str(a.repeats), *flags,
+                   *(f"--stage-arg={x}" for x in extra)]
             proc = subprocess.run(cmd, cwd=tree, capture_output=True, text=True)
             if proc.returncode:
                 sys.exit(f"{tree}: the mesh run failed:\n{proc.stderr[-3000:]}")
             for level, values in json.loads(proc.stdout.strip().splitlines()[-1]).items():
                 runs[i].setdefault(level, []).extend(values)
-            print(f"  {tree}: {json.dumps(runs[i])}", flush=True)
+            print(f"  {tree} {' '.join(extra)}: {json.dumps(runs[i])}", flush=True)
     print(f"aggregate tokens/s, {a.stages}-stage chain of {Path(a.model).name}, bench.py's mixed streams, "
           f"{a.rounds} round(s) x {a.repeats} run(s): median [runs], x the first tree")
     base = {level: statistics.median(v) for level, v in runs[0].items()}
-    for tree, tree_runs in zip(trees, runs, strict=True):
+    for (tree, extra), tree_runs in zip(arms, runs, strict=True):
         cells = [f"{level} streams {statistics.median(v):.1f} [{', '.join(f'{x:.0f}' for x in v)}] "
                  f"{statistics.median(v) / base[level]:.2f}x" for level, v in tree_runs.items()]
-        print(f"  {tree}\n    " + "   ".join(cells))
+        print(f"  {tree} {' '.join(extra)}\n    " + "   ".join(cells))
 
 
 if __name__ == "__main__":

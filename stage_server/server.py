@@ -16,7 +16,7 @@ import psutil
 import torch
 from grpc_health.v1 import health_pb2
 
-from stage_server import paged_attention
+from stage_server import packed_weights, paged_attention
 from stage_server.batcher import StepBatcher
 from stage_server.compiled import compile_stage, compiled_graphs, is_compiled, warm_up_decode
 from stage_server.config import StageConfig, max_step_bytes, split_host_port
@@ -237,6 +237,12 @@ class StageServer:
         model = quantize(model, self.config.quantize)  # torch.ao's path on CPU float32; else done at load
         if self.config.attention_kernel:
             paged_attention.attach(model)
+        if self.config.packed_weights:
+            if (why := packed_weights.available(model)) is None:
+                added = packed_weights.pack(model)
+                log.info(f"Linear weights also packed for oneDNN (passes of 2+ tokens): {added / 2**20:.0f} MiB more")
+            else:
+                log.warning(f"--packed-weights ignored: {why}")
         if self.config.compile:
             compile_stage(model)  # compiles in the warm-up, before SERVING
         if self.config.preload:
