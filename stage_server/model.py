@@ -11,6 +11,8 @@ The math follows transformers' modeling_llama/qwen2/mistral so that results matc
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -144,6 +146,14 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, plan: PassPlan) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), plan)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def replace_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> None:
+    """Puts make(linear) in place of every nn.Linear of the model (int8 weights, packed weights)."""
+    for parent in list(model.modules()):
+        for name, child in parent.named_children():
+            if isinstance(child, nn.Linear):
+                setattr(parent, name, make(child))
 
 
 class StageModel(nn.Module):

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stage_server.model import StageModel
+from stage_server.model import StageModel, replace_linears
 
 
 def available(model: StageModel) -> str | None:
@@ -49,12 +49,7 @@ class PackedLinear(nn.Module):
 
 
 def pack(model: StageModel) -> int:
-    """Replaces every nn.Linear of the model with a PackedLinear; returns the bytes the packed copies take."""
-    added = 0
-    for parent in list(model.modules()):
-        for name, child in parent.named_children():
-            if type(child) is nn.Linear:
-                packed = PackedLinear(child)
-                setattr(parent, name, packed)
-                added += child.weight.nbytes
-    return added
+    """Replaces every nn.Linear of the model with a PackedLinear; returns the bytes of the weights packed (their
+    copies take about as much, oneDNN's padding aside)."""
+    replace_linears(model, PackedLinear)
+    return sum(m.weight.nbytes for m in model.modules() if isinstance(m, PackedLinear))

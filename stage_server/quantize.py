@@ -13,16 +13,12 @@ assumed: scripts/bench_levers.py reports top-1 agreement with float32 next to th
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from stage_server.model import StageModel, replace_linears
 from stagemesh.checkpoint import QUANTIZE
-
-if TYPE_CHECKING:
-    from stage_server.model import StageModel
 
 
 def int8_rows(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,10 +64,7 @@ class Int8WeightLinear(nn.Module):
 
 def int8_weight_only(model: StageModel) -> StageModel:
     """Replaces every nn.Linear (a no-op where load_stage already did)."""
-    for parent in list(model.modules()):
-        for name, child in parent.named_children():
-            if isinstance(child, nn.Linear):
-                setattr(parent, name, Int8WeightLinear(child))
+    replace_linears(model, Int8WeightLinear)
     return model
 
 

@@ -240,7 +240,7 @@ class StageServer:
         if self.config.packed_weights:
             if (why := packed_weights.available(model)) is None:
                 added = packed_weights.pack(model)
-                log.info(f"Linear weights also packed for oneDNN (passes of 2+ tokens): {added / 2**20:.0f} MiB more")
+                log.info(f"Linear weights also packed for oneDNN (passes of 2+ tokens): ~{added / 2**20:.0f} MiB more")
             else:
                 log.warning(f"--packed-weights ignored: {why}")
         if self.config.compile:
