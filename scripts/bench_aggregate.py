@@ -4,7 +4,7 @@ costs minutes, not bench.py's hour on the ~270M model.
 
     python scripts/bench_aggregate.py --code /tmp/before --code .            # tiny Llama, 2 stages, 32 and 64
     python scripts/bench_aggregate.py --medium --levels 32 --repeats 1 --code /tmp/before --code .
-    python scripts/bench_aggregate.py --medium --levels 32 --repeats 1 --also-with=--packed-weights
+    python scripts/bench_aggregate.py --medium --levels 32 --repeats 1 --also-with=--no-packed-weights
 
 Each --code DIR is a checkout whose stage and router processes run (`python -m stagemesh.cli` from DIR, started
 by that tree's own launcher); the trees take turns, --rounds times, each round a fresh mesh. --stage-arg and
@@ -94,7 +94,7 @@ def main() -> None:
                    help="e.g. --router-arg=--slots-per-chain=64")
     p.add_argument("--also-with", action="append", default=[], metavar="FLAG",
                    help="measure each tree again with these stage flags too, in turns "
-                        "(e.g. --also-with=--packed-weights)")
+                        "(e.g. --also-with=--no-packed-weights)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.medium:

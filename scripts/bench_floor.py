@@ -167,7 +167,8 @@ def ceiling(model: str, threads: int, runs: int, tmp: Path) -> dict:
     r = bench.run_worker("gemv", {"gib": weight_bytes / 2**30, "runs": runs, "threads": threads}, threads, tmp)
     bytes_per_s = r["matrix_bytes"] / min(r["seconds"])
     return {"threads": threads, "bytes_per_s": bytes_per_s, "median_bytes_per_s": r["bytes_per_s"],
-            "weight_bytes": weight_bytes,
+            "weight_bytes": weight_bytes, "method": r.get("method"),
+            "methods_bytes_per_s": r.get("methods_bytes_per_s"),
             "ms_per_token": weight_bytes / bytes_per_s * 1000, "tok_s": bytes_per_s / weight_bytes}
 
 
@@ -234,6 +235,9 @@ def print_medium(ceilings: dict, chains: list[dict], hf: dict | None) -> None:
     print(f"   ceilings (fastest GEMV run over the weights' size): 1 thread {one['bytes_per_s'] / 1e9:.1f} GB/s = "
           f"{one['ms_per_token']:.1f} ms/token; 2 threads {two['bytes_per_s'] / 1e9:.1f} GB/s = "
           f"{two['ms_per_token']:.1f} ms/token")
+    for c in (one, two):
+        methods = ", ".join(f"{m} {b / 1e9:.1f}" for m, b in (c.get("methods_bytes_per_s") or {}).items())
+        print(f"   {c['threads']} thread(s), median GB/s by method: {methods} (the ceiling: {c.get('method')})")
     if hf:
         print(f"   transformers generate() (1 thread): {hf['ms_per_token']:.1f} ms/token, "
               f"{one['ms_per_token'] / hf['ms_per_token']:.0%} of the 1-thread ceiling")

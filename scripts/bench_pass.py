@@ -4,6 +4,7 @@
     python scripts/bench_pass.py --code /tmp/old-tree     # the same with another checkout's stage code
     python scripts/bench_pass.py --medium --sizes 1,32
     python scripts/bench_pass.py --attention kernel,gather   # both decode attentions, passes alternated
+    python scripts/bench_pass.py --medium --pack --threads 2   # Linear weights packed, as a stage holds them
 
 No gRPC, no router: the model's forward pass alone, with each session holding `--context` positions
 (prompts of different lengths around it, so the batch mixes lengths), one thread. Works with the
@@ -34,6 +35,8 @@ def main() -> None:
     p.add_argument("--context", type=int, default=200, help="mean positions each session holds")
     p.add_argument("--passes", type=int, default=30)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--pack", action="store_true", help="pack the Linear weights as a CPU float32 stage does "
+                   "(stage_server/packed_weights.py; default: torch's layout, as trees before it have)")
     p.add_argument("--attention", default="", help="kernel,gather: time each, passes alternated (default: the tree's)")
     args = p.parse_args()
     sys.path.insert(0, str(args.code.resolve()))
@@ -47,6 +50,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model_dir = args.model or str(ROOT / "models" / ("llama-270m" if args.medium else "tiny-llama"))
     model = load_stage(model_dir, 0, None)
+    if args.pack:
+        from stage_server import packed_weights
+
+        packed_weights.pack(model)
     a = model.args
     variants = {"": getattr(model, "decode_attention", None)}
     if args.attention:

@@ -1,55 +1,84 @@
-"""Linear weights held a second time in oneDNN's blocked layout, for the CPU passes of several tokens.
+"""Linear weights packed in panels of 16 output columns, multiplied by stagemesh's own kernel on the CPU in
+float32 (stagemesh::packed_linear, packed_linear.cpp, built by cpu_kernels.py).
 
-torch's float32 matrix products on the CPU go to MKL. For a single row (a lone decode step) MKL's GEMV streams
-the weight at the memory's speed, in the stage's column-major layout (loader.py) best of all. For a few rows
-(a busy stage's decode pass: 2 to 32 sessions' steps) MKL's sgemm, on a CPU it does not tune for (measured on
-an AMD EPYC with AVX2), reads the weight about once per row: a pass of 4 decode steps takes 3x a pass of one,
-where the weight bytes say it should take about the same. oneDNN's matmul over a weight reordered once into
-its own layout (`torch.ops.mkldnn._reorder_linear_weight`, what inductor's CPU freezing uses) does not: on the
-~270M model's shapes 1.5-1.9x faster for 2 to 16 rows, 1.3x for 32, even for prefill chunks; but 1.5x slower
-for one row. So each Linear keeps both layouts and picks by the pass's rows: twice the Linear weights' memory
-(`--packed-weights`, off by default; the README gives the figures).
+torch's float32 matrix products on the CPU go to MKL. On an AMD EPYC with AVX2 (this project's machines) MKL's
+small-batch sgemm reads the weight about once per row, so a busy stage's decode pass of 4 sessions' steps costs
+3x a pass of one where the weight's bytes say it should cost about the same; and its GEMV, a lone decode step,
+runs no faster on two threads than on one. The kernel reads each panel once per pass, for all the pass's rows,
+and splits the panels across the threads: over one ~270M stage's Linears (8 layers), 1 row 19 ms against MKL's
+23 on one thread and 14 against 22 on two; 4 rows 33 against 65; 16 rows 100 against 121; prefill chunks of 256
+rows about even (README, "Packed weights"). The panels replace the weight: the same memory, held once.
 
-oneDNN rounds differently from MKL (float32 sums in another order; ~1e-6 relative), as MKL's own kernels do
-between one row and several: logits stay within the 1e-4 of the exactness tests.
+Each output is one chain of fused multiply-adds over the input features in order, so it rounds differently from
+MKL (another order of the same float32 sums; ~1e-6 relative), and a row's result does not depend on the other
+rows of its pass.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from stage_server import cpu_kernels
 from stage_server.model import StageModel, replace_linears
+
+PANEL = 16
+"""Output columns per panel (packed_linear.cpp's kPanel)."""
 
 
 def available(model: StageModel) -> str | None:
     """Why this model's weights cannot be packed here (None: they can)."""
     if model.device.type != "cpu":
-        return f"weights on {model.device.type}, not the CPU (oneDNN's CPU layout)"
+        return f"weights on {model.device.type}, not the CPU"
     if model.dtype != torch.float32:
         return f"{model.dtype} weights (packed in float32 only)"
-    if not torch.backends.mkldnn.is_available():
-        return "this torch build has no oneDNN (mkldnn)"
+    if not cpu_kernels.load():
+        return "the CPU kernels could not be built here (logged above)"
     return None
 
 
+def panels_of(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] (any strides) as panels [ceil(N / 16), K, 16], the last padded with zero columns."""
+    n, k = weight.shape
+    panels = weight.new_zeros(-(-n // PANEL), k, PANEL)
+    whole = n // PANEL
+    panels[:whole].copy_(weight[:whole * PANEL].unflatten(0, (whole, PANEL)).transpose(1, 2))
+    if n % PANEL:
+        panels[whole, :, :n % PANEL].copy_(weight[whole * PANEL:].t())
+    return panels
+
+
 class PackedLinear(nn.Module):
-    """A Linear that multiplies a single row by its plain weight and several rows by the oneDNN-packed copy."""
+    """A float32 Linear whose weight is held as panels only, multiplied by stagemesh::packed_linear."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
-        self.weight, self.bias = linear.weight, linear.bias  # as loaded (the single-row path reads it)
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach().contiguous(), None)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        with torch.no_grad():
+            self.panels = nn.Parameter(panels_of(linear.weight), requires_grad=False)
+            bias = None
+            if linear.bias is not None:  # padded to the panels' columns, as the kernel reads it
+                bias = linear.bias.new_zeros(self.panels.shape[0] * PANEL)
+                bias[:self.out_features].copy_(linear.bias)
+            self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 2 or x.shape[0] == 1:
-            return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
+        flat = x.reshape(-1, self.in_features).contiguous()
+        out = torch.ops.stagemesh.packed_linear(flat, self.panels, self.bias, self.out_features)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, panels of {PANEL}"
 
 
 def pack(model: StageModel) -> int:
-    """Replaces every nn.Linear of the model with a PackedLinear; returns the bytes of the weights packed (their
-    copies take about as much, oneDNN's padding aside)."""
-    replace_linears(model, PackedLinear)
-    return sum(m.weight.nbytes for m in model.modules() if isinstance(m, PackedLinear))
+    """Puts a PackedLinear in place of every nn.Linear of the model whose weight it alone holds (a tied LM head,
+    which shares the embeddings' weight, stays as it is: packing it would hold that weight twice). Returns the
+    bytes of the weights packed (freed as loaded, held again as panels)."""
+    embedding = model.embed_tokens.weight.data_ptr() if model.embed_tokens is not None else None
+
+    def make(linear: nn.Linear) -> nn.Module:
+        return linear if linear.weight.data_ptr() == embedding else PackedLinear(linear)
+
+    replace_linears(model, make)
+    return sum(m.panels.nbytes for m in model.modules() if isinstance(m, PackedLinear))

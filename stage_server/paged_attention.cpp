@@ -5,7 +5,7 @@
 // The gather + SDPA path (stage_server/model.py) copies them into a padded contiguous buffer first and reads
 // them again, three passes over the pass's whole KV instead of one; on a busy stage the KV outweighs the
 // weights. Softmax in float32, exactly (two passes: scores, then weights), whatever the pool's dtype.
-// Built and loaded by stage_server/paged_attention.py.
+// Built and loaded by stage_server/cpu_kernels.py, used by stage_server/paged_attention.py.
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -150,7 +150,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 
 }  // namespace
 
-TORCH_LIBRARY(stagemesh, m) {
+TORCH_LIBRARY_FRAGMENT(stagemesh, m) {
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor table, Tensor ends, int block_size, int window, "
         "float scale) -> Tensor");
 }

@@ -218,6 +218,12 @@ class StageServer:
         """fn(*args) on the stage's compute thread (see self.compute)."""
         return await asyncio.get_running_loop().run_in_executor(self.compute, fn, *args)
 
+    def _why_not_packed(self, model: StageModel) -> str | None:
+        """Why this stage's Linear weights stay in torch's layout (None: they are packed, packed_weights.py)."""
+        if self.config.quantize != "none" or self.config.tp > 1:
+            return "--quantize and --tp hold their Linears their own way"
+        return packed_weights.available(model)
+
     def load(self, layer_start: int, layer_end: int | None) -> StageModel:
         """Reads the slice's weights (blocking: when serving, call it through in_compute)."""
         if self.config.threads:
@@ -238,11 +244,11 @@ class StageServer:
         if self.config.attention_kernel:
             paged_attention.attach(model)
         if self.config.packed_weights:
-            if (why := packed_weights.available(model)) is None:
-                added = packed_weights.pack(model)
-                log.info(f"Linear weights also packed for oneDNN (passes of 2+ tokens): ~{added / 2**20:.0f} MiB more")
+            if (why := self._why_not_packed(model)) is None:
+                packed = packed_weights.pack(model)
+                log.info(f"Linear weights packed in panels for stagemesh's kernel: {packed / 2**20:.0f} MiB")
             else:
-                log.warning(f"--packed-weights ignored: {why}")
+                log.info(f"Linear weights in torch's layout: {why}")
         if self.config.compile:
             compile_stage(model)  # compiles in the warm-up, before SERVING
         if self.config.preload:

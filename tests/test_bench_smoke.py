@@ -140,13 +140,13 @@ def test_bench_aggregate_runs_each_arm_and_reports_its_ratio_to_the_first(tmp_pa
     """One tree as it is and again with more stage flags (--also-with): two arms, the first the baseline."""
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_aggregate.py"), "--model", str(tiny_model),
                            "--levels", "2", "--repeats", "1", "--stages", "1", "--code", str(ROOT),
-                           "--also-with=--packed-weights"],
+                           "--also-with=--no-packed-weights"],
                           cwd=ROOT, capture_output=True, text=True, timeout=RUN_S)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
     lines = proc.stdout.splitlines()
     rows = [i for i, line in enumerate(lines) if line.strip().startswith("2 streams")]
     assert len(rows) == 2 and lines[rows[0]].endswith("1.00x"), proc.stdout
-    assert lines[rows[1] - 1].strip().endswith("--packed-weights"), proc.stdout
+    assert lines[rows[1] - 1].strip().endswith("--no-packed-weights"), proc.stdout
 
 
 @pytest.mark.timeout(RUN_S + 60)

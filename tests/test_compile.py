@@ -13,7 +13,7 @@ import torch
 import torch._inductor.config as inductor_config
 from transformers import AutoModelForCausalLM
 
-from stage_server import paged_attention
+from stage_server import packed_weights, paged_attention
 from stage_server import server as server_module
 from stage_server.compiled import compile_stage, compiled_graphs, is_compiled, warm_up_decode
 from stage_server.config import StageConfig
@@ -42,18 +42,25 @@ def compile_models(tmp_path_factory):
             "qwen2": make_tiny_model(root / "qwen2", "qwen2", layers=LAYERS, seed=7)}
 
 
-ATTENTIONS = [*((family, "kernel") for family in MODELS), ("windowed-mistral", "written-out")]
+ATTENTIONS = [*((family, "kernel", False) for family in MODELS), ("windowed-mistral", "written-out", False),
+              ("qwen2", "kernel", True), ("windowed-mistral", "written-out", True)]
 
 
-@pytest.mark.parametrize(("family", "attention"), ATTENTIONS)
-def test_batched_decode_passes_compiled_match_transformers(compile_models, family, attention):
+@pytest.mark.parametrize(("family", "attention", "packed"), ATTENTIONS,
+                         ids=[f"{f}-{a}{'-packed' if p else ''}" for f, a, p in ATTENTIONS])
+def test_batched_decode_passes_compiled_match_transformers(compile_models, family, attention, packed):
     """The whole model in one compiled stage, in process: sessions of 1-17 positions in 4-position blocks, decoded
     together in passes of 1 to 4 of them (the batcher's decode passes), each crossing many block boundaries.
     Every step's logits within 1e-4 of transformers' forward pass, greedy tokens the same, and no graph compiled
     after the warm-up as the batch size and the key length vary. Attention in the graph is the paged attention
-    kernel (a stage on the CPU), or written out for inductor (a stage without the kernel)."""
+    kernel (a stage on the CPU), or written out for inductor (a stage without the kernel); the Linears torch's, or
+    packed (stagemesh::packed_linear, opaque in the graph as the attention kernel is; qwen2's q/k/v have biases)."""
     path = compile_models[family]
     model = load_stage(path, 0, None)
+    if packed:
+        if packed_weights.available(model) is not None:
+            pytest.skip(f"no packed weights here: {packed_weights.available(model)}")
+        packed_weights.pack(model)
     if attention == "kernel":
         paged_attention.attach(model)
         if model.decode_attention is None:
@@ -107,6 +114,8 @@ async def test_compiled_split_is_exact(compile_models, family):
     mesh = await start_mesh(path, [splits(1, 2)], stage_options={"compile": True})
     try:
         assert all(is_compiled(s.model) for s in mesh.all_stages())  # compiled, not fallen back to eager
+        packed = [any(isinstance(m, packed_weights.PackedLinear) for m in s.model.modules()) for s in mesh.all_stages()]
+        assert all(packed) or packed_weights.cpu_kernels.load() is False  # the default, where the kernels build
         warmed = [compiled_graphs(s.model) for s in mesh.all_stages()]
         ids = prompt(20, seed=31)
         got, _, _ = await collect(mesh.router_stub.Generate(router_pb2.GenerateRequest(token_ids=ids,

@@ -1,7 +1,7 @@
-"""The paged attention kernel (stage_server/paged_attention.cpp): decode attention read where K/V lie in the pool
-equals SDPA over each session's own keys, for grouped and plain heads, sliding windows, every head size and
-dtype a stage serves; it reads nothing past a session's end, refuses a table that points outside the pool, and
-is built once, into a cache, or not at all (a stage then gathers for SDPA)."""
+"""The paged attention kernel (stage_server/paged_attention.cpp, built by cpu_kernels.py): decode attention read
+where K/V lie in the pool equals SDPA over each session's own keys, for grouped and plain heads, sliding
+windows, every head size and dtype a stage serves; it reads nothing past a session's end, refuses a table that
+points outside the pool, and is built once, into a cache, or not at all (a stage then gathers for SDPA)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from stage_server import paged_attention
+from stage_server import cpu_kernels, paged_attention
 
 kernel = paged_attention.load()
 needs_kernel = pytest.mark.skipif(kernel is None, reason="the paged attention kernel could not be built here "
@@ -91,24 +91,25 @@ def test_a_table_or_end_outside_the_pool_is_refused_not_read():
         kernel(q, k, v, table, torch.tensor([0, 30]), 16, 0, 0.1)
 
 
-def test_the_kernel_is_built_once_into_its_cache(tmp_path, monkeypatch):
+def test_the_kernels_are_built_once_into_their_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    if paged_attention.shutil.which("c++") is None:
+    if cpu_kernels.shutil.which("c++") is None:
         pytest.skip("no C++ compiler on PATH")
     (folder := tmp_path / "stagemesh" / "kernels").mkdir(parents=True)
-    path, built = paged_attention._build()
+    path, built = cpu_kernels._build()
     assert built and path.is_file() and path.is_relative_to(folder)
     assert not list(path.parent.glob("*.part"))  # the half-written file was renamed, whole
-    assert paged_attention._build() == (path, False)  # the cache, not another build
+    assert cpu_kernels._build() == (path, False)  # the cache, not another build
 
 
-def test_no_compiler_means_no_kernel_and_says_why(monkeypatch, caplog):
-    """load() gives None (stages gather K/V for SDPA) and logs the reason, once."""
+def test_no_compiler_means_no_kernels_and_says_why(monkeypatch, caplog):
+    """load() gives None (stages gather K/V for SDPA, and keep torch's Linears) and logs the reason, once."""
     monkeypatch.setenv("CXX", "/nonexistent/c++")
-    monkeypatch.setattr(paged_attention, "_kernel", None)
-    monkeypatch.setattr(paged_attention, "_failure", None)
+    monkeypatch.setattr(cpu_kernels, "_loaded", False)
+    monkeypatch.setattr(cpu_kernels, "_failure", None)
     caplog.set_level(logging.INFO, logger="stagemesh.stage")
     assert paged_attention.load() is None
     assert paged_attention.load() is None
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "no C++ compiler" in warnings[0] and "gathers K/V" in warnings[0]
+    assert "torch's layout" in warnings[0]

@@ -1,0 +1,125 @@
+"""stagemesh's CPU kernels, built on first use and loaded as torch ops: stagemesh::decode_attention
+(paged_attention.cpp: decode attention read where K/V lie in the paged pool) and stagemesh::packed_linear
+(packed_linear.cpp: float32 Linears over weights packed in panels, packed_weights.py).
+
+They are built with the host's C++ compiler against the installed torch, for the CPU's vector capability, into
+one library kept in a cache keyed by the sources, torch and the flags (built once per machine, ~20 s; a file
+lock makes concurrent stages wait for one build, and a build killed half-way leaves nothing behind). A host where
+they cannot be built (no compiler, a failed build) logs why, once, and runs torch's ops instead: decode
+attention by gather + SDPA, Linears by torch's matrix products.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+from torch.utils import cpp_extension
+
+log = logging.getLogger("stagemesh.stage")
+
+SOURCES = [Path(__file__).with_name("paged_attention.cpp"), Path(__file__).with_name("packed_linear.cpp")]
+BUILD_TIMEOUT_S = 600.0
+"""A build that takes longer is given up (the stage runs torch's ops)."""
+VECTOR_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"],
+    "AVX2": ["-mavx2", "-mfma"],
+}
+"""By torch's reading of the CPU (torch.backends.cpu.get_cpu_capability()); any other: the compiler's default."""
+
+_lock = threading.Lock()
+_loaded = False
+_failure: str | None = None
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "stagemesh" / "kernels"
+
+
+def load() -> bool:
+    """Whether the kernels are loaded (built or read from the cache, once per process); False where they cannot
+    be, logged once."""
+    global _loaded, _failure
+    with _lock:
+        if not _loaded and _failure is None:
+            t0 = time.perf_counter()
+            try:
+                path, built = _build()
+                torch.ops.load_library(str(path))
+                # what each op returns, as torch.compile traces it
+                torch.library.register_fake("stagemesh::decode_attention", _attention_shape)
+                torch.library.register_fake("stagemesh::packed_linear", _linear_shape)
+                _loaded = True
+            except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
+                _failure = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[-1][:300]}"
+                log.warning(f"the CPU kernels could not be built ({_failure}): decode attention gathers K/V for "
+                            f"SDPA, and Linear weights stay in torch's layout")
+            else:
+                how = f"built in {time.perf_counter() - t0:.1f}s" if built else "from the cache"
+                log.info(f"CPU kernels: paged attention, packed Linears ({how}: {path})")
+        return _loaded
+
+
+def _attention_shape(q: torch.Tensor, *_: object) -> torch.Tensor:
+    return torch.empty_like(q)
+
+
+def _linear_shape(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], out_features)
+
+
+def _flags() -> list[str]:
+    capability = torch.backends.cpu.get_cpu_capability()
+    return ["-O3", "-std=c++20", "-fPIC", "-shared", "-fopenmp", *VECTOR_FLAGS.get(capability, []),
+            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+            *(f"-I{p}" for p in cpp_extension.include_paths()), *(f"-L{p}" for p in cpp_extension.library_paths()),
+            "-lc10", "-ltorch_cpu"]
+
+
+def _build() -> tuple[Path, bool]:
+    """The shared library's path, and whether this call built it."""
+    compiler = shutil.which(os.environ.get("CXX", "c++"))
+    if compiler is None:
+        raise FileNotFoundError("no C++ compiler on PATH (c++, or $CXX)")
+    flags = _flags()
+    key = hashlib.sha256(b"\0".join([*(s.read_bytes() for s in SOURCES), torch.__version__.encode(),
+                                     " ".join(flags).encode(), compiler.encode()])).hexdigest()[:16]
+    folder = _writable(cache_root()) / key
+    folder.mkdir(parents=True, exist_ok=True)
+    library = folder / "stagemesh_kernels.so"
+    if library.exists():
+        return library, False
+    with open(folder / "build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released if this process dies: a stale lock never blocks a build
+        if library.exists():  # another process built it meanwhile
+            return library, False
+        partial = folder / f"stagemesh_kernels.so.{os.getpid()}.part"
+        try:
+            done = subprocess.run([compiler, *map(str, SOURCES), "-o", str(partial), *flags], capture_output=True,
+                                  text=True, timeout=BUILD_TIMEOUT_S)
+            if done.returncode != 0:
+                raise RuntimeError(f"{compiler} exited {done.returncode}: {done.stderr.strip()}")
+            os.replace(partial, library)  # whole or absent, whoever reads it
+        finally:
+            partial.unlink(missing_ok=True)
+    return library, True
+
+
+def _writable(root: Path) -> Path:
+    """root, or a folder of this user's in the temporary directory where root cannot be made."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        if os.access(root, os.W_OK):
+            return root
+    except OSError:
+        pass
+    return Path(tempfile.gettempdir()) / f"stagemesh-kernels-{os.getuid()}"

@@ -1,0 +1,125 @@
+// A float32 Linear over weights packed in panels of 16 output columns, on the CPU: stagemesh::packed_linear.
+//
+// y[M, N] = x[M, K] W[N, K]^T + bias, W held as panels [ceil(N / 16), K, 16]: panel p holds output columns
+// 16p..16p+15, one row of 16 per input feature, so a panel is read front to back, once per block of rows. Every
+// output is one chain of fused multiply-adds over k in order, whatever M and the blocking, so a row's result does
+// not depend on the other rows of its pass. The threads split the panels.
+//
+// Why not torch's own matrix product: on this project's CPUs (AMD EPYC, AVX2) MKL's sgemm reads the weight about
+// once per row for small M (a ~270M stage's pass of 4 decode steps costs 3x one), and its GEMV does not scale with
+// a second thread; this kernel streams the weight once per pass and splits it across threads, and keeps up with
+// oneDNN up to prefill chunks (README, "Packed weights"). Built and loaded by stage_server/cpu_kernels.py.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+
+namespace {
+
+constexpr int64_t kPanel = 16;  // output columns per panel: two 8-float vectors
+constexpr int64_t kRowsPerChunk = 64;  // rows of x that each sweep over the panels keeps in cache
+constexpr int64_t kPanelsPerTask = 4;  // panels a thread takes at a time (what one row's block reads at once)
+
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v8u __attribute__((vector_size(32), aligned(4)));
+
+inline v8 load(const float* p) { return *reinterpret_cast<const v8u*>(p); }
+inline void store(float* p, v8 v) { *reinterpret_cast<v8u*>(p) = v; }
+
+// MB rows of x against NP panels (starting at panel p): MB x 2NP accumulators.
+template <int MB, int NP>
+inline void block(const float* x, int64_t K, const float* panels, const float* bias, float* y, int64_t N,
+                  int64_t p) {
+  v8 acc[MB][2 * NP];
+  for (int j = 0; j < 2 * NP; ++j) {
+    const v8 b = bias ? load(bias + p * kPanel + 8 * j) : v8{};
+    for (int i = 0; i < MB; ++i) acc[i][j] = b;
+  }
+  const float* w = panels + p * K * kPanel;
+  for (int64_t k = 0; k < K; ++k) {
+    v8 wk[2 * NP];
+    for (int j = 0; j < 2 * NP; ++j) wk[j] = load(w + (j / 2) * K * kPanel + k * kPanel + 8 * (j % 2));
+    for (int i = 0; i < MB; ++i) {
+      const float s = x[i * K + k];
+      const v8 xb = {s, s, s, s, s, s, s, s};
+      for (int j = 0; j < 2 * NP; ++j) acc[i][j] += xb * wk[j];
+    }
+  }
+  for (int j = 0; j < 2 * NP; ++j) {
+    const int64_t n = p * kPanel + 8 * j;  // panel p + j / 2, half j % 2
+    if (n + 8 <= N) {
+      for (int i = 0; i < MB; ++i) store(y + i * N + n, acc[i][j]);
+    } else {  // the last panel's padding columns are not written
+      for (int i = 0; i < MB; ++i)
+        for (int64_t c = n; c < N; ++c) y[i * N + c] = acc[i][j][c - n];
+    }
+  }
+}
+
+// Rows [0, M) of x against panels [p0, p1): blocks of up to 6 rows; one or two rows take several panels at once
+// (a single chain per vector would wait on the multiply-add's latency).
+void rows_against_panels(const float* x, int64_t M, int64_t K, const float* panels, const float* bias, float* y,
+                         int64_t N, int64_t p0, int64_t p1) {
+  const int64_t m = M - M % 6;
+  for (int64_t p = p0; p < p1; ++p)  // each panel read from memory once, from cache for the next blocks of rows
+    for (int64_t r = 0; r < m; r += 6) block<6, 1>(x + r * K, K, panels, bias, y + r * N, N, p);
+  const float* xm = x + m * K;
+  float* ym = y + m * N;
+  int64_t p = p0;
+  switch (M - m) {
+    case 0: break;
+    case 1:
+      for (; p + 4 <= p1; p += 4) block<1, 4>(xm, K, panels, bias, ym, N, p);
+      for (; p < p1; ++p) block<1, 1>(xm, K, panels, bias, ym, N, p);
+      break;
+    case 2:
+      for (; p + 2 <= p1; p += 2) block<2, 2>(xm, K, panels, bias, ym, N, p);
+      for (; p < p1; ++p) block<2, 1>(xm, K, panels, bias, ym, N, p);
+      break;
+    case 3: for (; p < p1; ++p) block<3, 1>(xm, K, panels, bias, ym, N, p); break;
+    case 4: for (; p < p1; ++p) block<4, 1>(xm, K, panels, bias, ym, N, p); break;
+    default: for (; p < p1; ++p) block<5, 1>(xm, K, panels, bias, ym, N, p); break;
+  }
+}
+
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
+                         int64_t out_features) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous [M, K] float32");
+  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kPanel && panels.scalar_type() == at::kFloat &&
+              panels.is_contiguous(), "panels must be contiguous [P, K, 16] float32");
+  const int64_t M = x.size(0), K = x.size(1), N = out_features, P = panels.size(0);
+  TORCH_CHECK(panels.size(1) == K, "x has ", K, " features; the panels ", panels.size(1));
+  TORCH_CHECK(N >= 1 && (N + kPanel - 1) / kPanel == P, "out_features ", N, " does not fill ", P, " panels");
+  const float* b = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->numel() == P * kPanel && bias->scalar_type() == at::kFloat &&
+                bias->is_contiguous(), "bias must be contiguous float32, padded to the panels' ", P * kPanel);
+    b = bias->data_ptr<float>();
+  }
+  auto y = at::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* w = panels.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  for (int64_t m = 0; m < M; m += kRowsPerChunk) {  // big M (prefill): x's chunk stays in cache across panels
+    const int64_t rows = std::min(kRowsPerChunk, M - m);
+    const int64_t tasks = (P + kPanelsPerTask - 1) / kPanelsPerTask;
+    at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
+      rows_against_panels(xp + m * K, rows, K, w, b, yp + m * N, N, t0 * kPanelsPerTask,
+                          std::min(P, t1 * kPanelsPerTask));
+    });
+  }
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(stagemesh, m) {
+  m.def("packed_linear(Tensor x, Tensor panels, Tensor? bias, int out_features) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(stagemesh, CPU, m) { m.impl("packed_linear", &packed_linear); }
