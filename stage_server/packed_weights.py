@@ -71,6 +71,13 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, panels of {PANEL}"
 
 
+def padding_bytes(model: nn.Module) -> int:
+    """The zero columns that fill the packed Linears' last panels: memory held, not weights."""
+    return sum(m.panels.nbytes - m.out_features * m.in_features * m.panels.element_size()
+               + (0 if m.bias is None else m.bias.nbytes - m.out_features * m.bias.element_size())
+               for m in model.modules() if isinstance(m, PackedLinear))
+
+
 def pack(model: StageModel) -> int:
     """Puts a PackedLinear in place of every nn.Linear of the model whose weight it alone holds (a tied LM head,
     which shares the embeddings' weight, stays as it is: packing it would hold that weight twice). Returns the

@@ -12,6 +12,7 @@ import time
 import grpc
 import torch
 
+from stage_server import packed_weights
 from stage_server.batcher import BatcherStopped, OutOfMemory, StepBatcher, StepRequest, StepResult
 from stage_server.forwarding import FEED_END, Links, Route
 from stage_server.kv_pool import PoolExhausted
@@ -347,7 +348,7 @@ class StageService(stage_pb2_grpc.StageServicer):
 
     async def Info(self, request, context):
         model, args = self.model, self.model.args
-        weight_bytes = sum(p.nbytes for p in model.parameters())
+        weight_bytes = sum(p.nbytes for p in model.parameters()) - packed_weights.padding_bytes(model)
         return stage_pb2.StageInfo(
             model=self.model_name,
             family=args.family,
