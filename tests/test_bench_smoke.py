@@ -161,3 +161,16 @@ def test_bench_prefix_compares_the_cache_off_and_on_with_the_same_tokens(tmp_pat
     assert report["same_tokens"] and report["off"]["prefix_hit_positions"] == [0]
     assert report["on"]["prefix_hit_positions"] == [4 * 64]  # the 2nd, 3rd and both concurrent requests
     assert "median TTFT of the rest" in proc.stdout
+
+
+@pytest.mark.timeout(RUN_S + 60)
+def test_bench_linear_checks_and_times_every_arm():
+    """Small shapes, uneven (a last panel padded, odd features): each arm checked against float64, then a row per
+    M with the three arms and MKL's ratio to the packed kernel."""
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_linear.py"), "--hidden", "40",
+                           "--intermediate", "52", "--layers", "1", "--rows", "1,7", "--repeats", "1"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=RUN_S)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    rows = [line.split() for line in proc.stdout.splitlines() if line.startswith(" ")]  # the header starts at 0
+    assert [r[0] for r in rows] == ["M", "1", "7"], proc.stdout
+    assert all(len(r) == 5 and r[-1].endswith("x") for r in rows[1:]), proc.stdout
