@@ -17,6 +17,7 @@ rows of its pass.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from stage_server import cpu_kernels
@@ -56,11 +57,9 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         with torch.no_grad():
             self.panels = nn.Parameter(panels_of(linear.weight), requires_grad=False)
-            bias = None
-            if linear.bias is not None:  # padded to the panels' columns, as the kernel reads it
-                bias = linear.bias.new_zeros(self.panels.shape[0] * PANEL)
-                bias[:self.out_features].copy_(linear.bias)
-            self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+            padding = self.panels.shape[0] * PANEL - self.out_features  # the kernel reads whole panels of bias too
+            self.bias = None if linear.bias is None else nn.Parameter(F.pad(linear.bias, (0, padding)),
+                                                                      requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).contiguous()

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from stage_server import packed_weights, paged_attention
+from stage_server import cpu_kernels, packed_weights, paged_attention
 from stage_server.kv_pool import KVPool
 from stage_server.loader import load_stage
 from stage_server.model import StepSlice
@@ -20,7 +20,7 @@ from stagemesh.v1 import router_pb2
 from tests.conftest import FAMILIES, collect, hf_greedy, splits, start_mesh, stepped_logits
 from tests.test_exactness import prompt
 
-if packed_weights.cpu_kernels.load() is False:
+if not cpu_kernels.load():
     pytest.skip("the CPU kernels could not be built here (tests/test_paged_attention.py says why)",
                 allow_module_level=True)
 
