@@ -73,7 +73,8 @@ def _attention_shape(q: torch.Tensor, *_: object) -> torch.Tensor:
     return torch.empty_like(q)
 
 
-def _linear_shape(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+def _linear_shape(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int,
+                  norm_weight: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
     return x.new_empty(x.shape[0], out_features)
 
 

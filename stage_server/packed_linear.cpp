@@ -5,6 +5,10 @@
 // output is one chain of fused multiply-adds over k in order, whatever M and the blocking, so a row's result does
 // not depend on the other rows of its pass. The threads split the panels.
 //
+// With norm_weight, x is first RMS-normalized row by row, as the decoder's norm before this Linear would
+// ((x * rsqrt(mean(x^2) + eps)) * weight, torch's order): one call instead of the norm's own half dozen, which cost
+// a decode step more than the Linear on small models (README, "The norm inside the Linear").
+//
 // Why not torch's own matrix product: on this project's CPUs (AMD EPYC, AVX2) MKL's sgemm reads the weight about
 // once per row for small M (a ~270M stage's pass of 4 decode steps costs 3x one), and its GEMV does not scale with
 // a second thread; this kernel streams the weight once per pass and splits it across threads, and keeps up with
@@ -15,6 +19,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -87,9 +92,36 @@ void rows_against_panels(const float* x, int64_t M, int64_t K, const float* pane
   }
 }
 
-at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
-                         int64_t out_features) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous [M, K] float32");
+// x's rows RMS-normalized into a new [M, K]: the sum of squares in double (so the mean is float32's nearest),
+// then (x * r) * weight in float32, as torch's rms_norm multiplies.
+at::Tensor rms_normalized(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(weight.dim() == 1 && weight.numel() == K && weight.scalar_type() == at::kFloat && weight.is_contiguous(),
+              "norm_weight must be contiguous float32 [", K, "]");
+  auto out = at::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  const float* w = weight.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) {
+    const float* r = xp + m * K;
+    double squares = 0.0;
+#pragma omp simd reduction(+ : squares)
+    for (int64_t k = 0; k < K; ++k) squares += static_cast<double>(r[k]) * r[k];
+    const float mean = static_cast<float>(squares / static_cast<double>(K));
+    const float scale = 1.f / std::sqrt(mean + static_cast<float>(eps));
+    float* y = o + m * K;
+#pragma omp simd
+    for (int64_t k = 0; k < K; ++k) y[k] = (r[k] * scale) * w[k];
+  }
+  return out;
+}
+
+at::Tensor packed_linear(const at::Tensor& x_in, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
+                         int64_t out_features, const std::optional<at::Tensor>& norm_weight, double eps) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.is_contiguous(),
+              "x must be contiguous [M, K] float32");
+  const at::Tensor x = norm_weight.has_value() && norm_weight->defined() ? rms_normalized(x_in, *norm_weight, eps)
+                                                                         : x_in;
   TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kPanel && panels.scalar_type() == at::kFloat &&
               panels.is_contiguous(), "panels must be contiguous [P, K, 16] float32");
   const int64_t M = x.size(0), K = x.size(1), N = out_features, P = panels.size(0);
@@ -119,7 +151,8 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& panels, const st
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(stagemesh, m) {
-  m.def("packed_linear(Tensor x, Tensor panels, Tensor? bias, int out_features) -> Tensor");
+  m.def("packed_linear(Tensor x, Tensor panels, Tensor? bias, int out_features, Tensor? norm_weight=None, "
+        "float eps=0.0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(stagemesh, CPU, m) { m.impl("packed_linear", &packed_linear); }

@@ -1,7 +1,8 @@
 """Packed weights (on by default): every Linear of a CPU float32 stage holds its weight as panels of 16 output
 columns, multiplied by stagemesh::packed_linear (stage_server/packed_weights.py, packed_linear.cpp). Exact as
 before: greedy tokens identical to transformers and logits within 1e-4, for every family, in one stage and
-split, under batched decode passes and prefill chunks; a tied LM head keeps sharing the embeddings' weight."""
+split, under batched decode passes and prefill chunks; a tied LM head keeps sharing the embeddings' weight; the
+RMSNorm before a packed Linear runs inside its call."""
 
 from __future__ import annotations
 
@@ -9,12 +10,13 @@ import asyncio
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from stage_server import cpu_kernels, packed_weights, paged_attention
 from stage_server.kv_pool import KVPool
 from stage_server.loader import load_stage
-from stage_server.model import StepSlice
+from stage_server.model import RMSNorm, StepSlice
 from stagemesh.tiny_model import make_tiny_model
 from stagemesh.v1 import router_pb2
 from tests.conftest import FAMILIES, collect, hf_greedy, splits, start_mesh, stepped_logits
@@ -63,6 +65,47 @@ def test_a_rows_result_does_not_depend_on_the_rest_of_its_pass():
                 x = torch.randn(rows, 300)
                 x[at] = row[0]
                 assert torch.equal(packed(x)[at], alone[0]), (rows, at)
+
+
+def test_the_norm_inside_the_linear_is_the_norm_then_the_linear():
+    """With the RMSNorm before it taken in, a packed Linear computes norm then product: within float32 rounding
+    of F.rms_norm followed by the Linear in float64, for 1 row to more than a chunk, rows of any scale (a row of
+    zeros too: eps keeps it finite); and a row's result still does not depend on its pass."""
+    torch.manual_seed(7)
+    linear, norm = nn.Linear(96, 40), RMSNorm(96, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(96) + 0.5)
+    packed = packed_weights.PackedLinear(linear)
+    assert isinstance(packed.take_norm(norm), packed_weights.NormInNextLinear)
+    with torch.inference_mode():
+        for rows in (1, 2, 6, 64, 70):
+            x = torch.randn(rows, 96) * torch.logspace(-3, 3, rows)[:, None]
+            x[0] = 0.0
+            ref = torch.nn.functional.linear(F.rms_norm(x.double(), (96,), norm.weight.double(), 1e-5),
+                                             linear.weight.double(), linear.bias.double())
+            out = packed(x)
+            assert out.isfinite().all()
+            torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+            assert torch.equal(packed(x[-1:])[0], out[-1])
+
+
+def test_pack_moves_each_norm_into_the_linear_after_it(tiny_model, tmp_path):
+    """Each decoder layer's two norms go into the qkv and gate/up Linears, the final norm into an untied LM head;
+    what stays in the norms' place passes its input through and keeps the weight (the model's dtype is read off
+    it). A tied LM head is not packed, so the final norm before it stays a norm."""
+    model = load_stage(tiny_model, 0, None)
+    packed_weights.pack(model)
+    assert not any(isinstance(m, RMSNorm) for m in model.modules())
+    layer = model.layers[0]
+    assert layer.self_attn.qkv_proj.norm_weight is layer.input_layernorm.weight
+    assert layer.mlp.gate_up_proj.norm_weight is layer.post_attention_layernorm.weight
+    assert model.lm_head.norm_weight is model.norm.weight
+    assert layer.self_attn.o_proj.norm_weight is None and layer.mlp.down_proj.norm_weight is None
+    assert model.dtype == torch.float32
+    tied = load_stage(make_tiny_model(tmp_path / "tied", "llama", layers=2, tie_word_embeddings=True), 0, None)
+    packed_weights.pack(tied)
+    assert isinstance(tied.norm, RMSNorm)
+    assert isinstance(tied.layers[1].input_layernorm, packed_weights.NormInNextLinear)
 
 
 def test_the_panels_replace_the_weight(tiny_model):
