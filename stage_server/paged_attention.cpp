@@ -50,20 +50,25 @@ void decode_attention_kernel(const T* q, const T* k, const T* v, const int64_t* 
   const int64_t D = Dh ? Dh : D_;
   const int64_t G = H / kvH;  // query heads per kv head
   const int64_t row = kvH * D;  // one slot: every kv head's row, contiguous; a block is bs such slots
-  at::parallel_for(0, B, 1, [&](int64_t first, int64_t last) {
+  // Work items: each session's kv heads in `parts` contiguous ranges, so that a pass of fewer sessions than
+  // threads (a lone decode step) still uses every thread. A head's arithmetic is the same however they split.
+  const int64_t parts = std::min(kvH, std::max<int64_t>(1, (at::get_num_threads() + B - 1) / B));
+  at::parallel_for(0, B * parts, 1, [&](int64_t first, int64_t last) {
     std::vector<float> scores, qf(H * D), acc(H * D);
-    for (int64_t b = first; b < last; ++b) {
+    for (int64_t item = first; item < last; ++item) {
+      const int64_t b = item / parts, part = item % parts;
+      const int64_t h0 = part * kvH / parts, h1 = (part + 1) * kvH / parts;  // this item's kv heads
       const int64_t end = ends[b];
       const int64_t begin = window > 0 ? std::max<int64_t>(0, end - window) : 0;
       const int64_t n = end - begin;  // keys this session's query sees: positions [begin, end)
       const int64_t* blocks = table + b * nb;
-      for (int64_t i = 0; i < H * D; ++i) qf[i] = static_cast<float>(q[b * H * D + i]) * scale;
+      for (int64_t i = h0 * G * D; i < h1 * G * D; ++i) qf[i] = static_cast<float>(q[b * H * D + i]) * scale;
       scores.resize(H * n);  // [H, n]
       for (int64_t j0 = begin; j0 < end;) {  // scores, a block at a time
         const int64_t blk = j0 / bs, j1 = std::min(end, (blk + 1) * bs);
         const T* kb = k + (blocks[blk] - blk) * bs * row;  // position j's slot is kb + j * row
         for (int64_t j = j0; j < j1; ++j) {
-          for (int64_t h = 0; h < kvH; ++h) {
+          for (int64_t h = h0; h < h1; ++h) {
             const T* __restrict__ r = kb + j * row + h * D;
             for (int64_t g = 0; g < G; ++g) {
               const float* __restrict__ qg = qf.data() + (h * G + g) * D;
@@ -76,7 +81,7 @@ void decode_attention_kernel(const T* q, const T* k, const T* v, const int64_t* 
         }
         j0 = j1;
       }
-      for (int64_t r = 0; r < H; ++r) {  // softmax of each query head's row
+      for (int64_t r = h0 * G; r < h1 * G; ++r) {  // softmax of each query head's row
         float* __restrict__ sr = scores.data() + r * n;
         float m = sr[0];
         for (int64_t i = 1; i < n; ++i) m = std::max(m, sr[i]);
@@ -90,12 +95,12 @@ void decode_attention_kernel(const T* q, const T* k, const T* v, const int64_t* 
 #pragma omp simd
         for (int64_t i = 0; i < n; ++i) sr[i] *= inv;
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(acc.begin() + h0 * G * D, acc.begin() + h1 * G * D, 0.f);
       for (int64_t j0 = begin; j0 < end;) {  // the weighted sum of values, a block at a time
         const int64_t blk = j0 / bs, j1 = std::min(end, (blk + 1) * bs);
         const T* vb = v + (blocks[blk] - blk) * bs * row;
         for (int64_t j = j0; j < j1; ++j) {
-          for (int64_t h = 0; h < kvH; ++h) {
+          for (int64_t h = h0; h < h1; ++h) {
             const T* __restrict__ r = vb + j * row + h * D;
             for (int64_t g = 0; g < G; ++g) {
               const float p = scores[(h * G + g) * n + j - begin];
@@ -107,7 +112,7 @@ void decode_attention_kernel(const T* q, const T* k, const T* v, const int64_t* 
         }
         j0 = j1;
       }
-      for (int64_t i = 0; i < H * D; ++i) out[b * H * D + i] = static_cast<T>(acc[i]);
+      for (int64_t i = h0 * G * D; i < h1 * G * D; ++i) out[b * H * D + i] = static_cast<T>(acc[i]);
     }
   });
 }

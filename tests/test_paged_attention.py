@@ -67,6 +67,26 @@ def test_the_kernel_equals_sdpa_over_each_sessions_own_keys(heads, kv_heads, hea
 
 
 @needs_kernel
+def test_threads_split_a_lone_sessions_heads_without_changing_a_bit():
+    """A pass of fewer sessions than threads splits each session's kv heads across the threads: one session, and
+    three, come out bit for bit as on one thread, and a session's heads as when it is alone."""
+    lengths = [200, 37, 90]
+    k, v, table = scattered_pool(16, 64, lengths, 16, torch.float32, seed=5)
+    q = torch.randn(3, 16, 64)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernel(q, k, v, table, torch.tensor(lengths), 16, 0, 0.125)
+        torch.set_num_threads(4)
+        four = kernel(q, k, v, table, torch.tensor(lengths), 16, 0, 0.125)
+        alone = kernel(q[:1], k, v, table[:1], torch.tensor(lengths[:1]), 16, 0, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, four)
+    assert torch.equal(alone[0], one[0])
+
+
+@needs_kernel
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_sixteen_bit_pools_are_attended_in_float32(dtype):
     lengths = [3, 64, 100]
