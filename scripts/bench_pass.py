@@ -5,12 +5,15 @@
     python scripts/bench_pass.py --medium --sizes 1,32
     python scripts/bench_pass.py --attention kernel,gather   # both decode attentions, passes alternated
     python scripts/bench_pass.py --medium --pack --threads 2   # Linear weights packed, as a stage holds them
+    python scripts/bench_pass.py --weights torch,panels,packed --sizes 1   # weight layouts side by side
 
 No gRPC, no router: the model's forward pass alone, with each session holding `--context` positions
 (prompts of different lengths around it, so the batch mixes lengths), one thread. Works with the
 stage code before the paged pool (a whole cache per session) and after it (KVPool.grow). --attention names
 the decode attentions to time side by side (kernel: the paged attention kernel, gather: SDPA over gathered K/V;
-trees before the kernel have only the gather).
+trees before the kernel have only the gather). --weights names weight layouts to time side by side, a copy of
+the model each, passes alternated: torch (as loaded), panels (packed Linears, each RMSNorm apart), packed (as a
+CPU float32 stage holds them: panels, each RMSNorm inside the Linear after it).
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ def main() -> None:
     p.add_argument("--pack", action="store_true", help="pack the Linear weights as a CPU float32 stage does "
                    "(stage_server/packed_weights.py; default: torch's layout, as trees before it have)")
     p.add_argument("--attention", default="", help="kernel,gather: time each, passes alternated (default: the tree's)")
+    p.add_argument("--weights", default="", help="torch,panels,packed: time each layout, passes alternated "
+                   "(default: --pack's)")
     args = p.parse_args()
     sys.path.insert(0, str(args.code.resolve()))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -49,41 +54,53 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     model_dir = args.model or str(ROOT / "models" / ("llama-270m" if args.medium else "tiny-llama"))
-    model = load_stage(model_dir, 0, None)
-    if args.pack:
-        from stage_server import packed_weights
+    layouts = args.weights.split(",") if args.weights else ["packed" if args.pack else ""]
+    models = {layout: load_stage(model_dir, 0, None) for layout in layouts}
+    for layout, model in models.items():
+        if layout in ("panels", "packed"):
+            from stage_server import packed_weights
 
-        packed_weights.pack(model)
+            if why := packed_weights.available(model):  # builds or loads the kernels
+                raise SystemExit(f"no packed weights here: {why}")
+            if layout == "packed":
+                packed_weights.pack(model)
+            else:
+                packed_weights.replace_linears(model, packed_weights.PackedLinear)
+    model = models[layouts[0]]
     a = model.args
-    variants = {"": getattr(model, "decode_attention", None)}
+    attentions = {"": getattr(model, "decode_attention", None)}
     if args.attention:
         from stage_server import paged_attention
 
         kinds = {"kernel": paged_attention.load(), "gather": None}
-        variants = {name: kinds[name] for name in args.attention.split(",")}
+        attentions = {name: kinds[name] for name in args.attention.split(",")}
+    variants = [(layout, name) for layout in layouts for name in attentions]
     out = {}
     for size in (int(s) for s in args.sizes.split(",")):
-        pool = KVPool(8 << 30, len(model.layers), a.num_kv_heads, a.head_dim, model.dtype)
         lengths = [max(2, args.context + (i * 37) % 64 - 32) for i in range(size)]
-        caches = [pool.allocate(n + args.passes + 8) for n in lengths]
+        pools, caches = {}, {}
         with torch.inference_mode():
-            for c, n in zip(caches, lengths, strict=True):  # prefill each session alone
-                if hasattr(pool, "grow"):
-                    pool.grow(c, n)
-                model(torch.randint(4, a.vocab_size, (n,)), [StepSlice(c, 0, 0, n)])
-            times = {name: [] for name in variants}
+            for layout, model in models.items():  # each copy prefills the same sessions alone
+                pool = pools[layout] = KVPool(8 << 30, len(model.layers), a.num_kv_heads, a.head_dim, model.dtype)
+                caches[layout] = [pool.allocate(n + args.passes * len(attentions) + 8) for n in lengths]
+                for c, n in zip(caches[layout], lengths, strict=True):
+                    if hasattr(pool, "grow"):
+                        pool.grow(c, n)
+                    model(torch.randint(4, a.vocab_size, (n,)), [StepSlice(c, 0, 0, n)])
+            times = {"/".join(filter(None, v)): [] for v in variants}
             for _ in range(args.passes):
-                for name, attention in variants.items():
+                for layout, name in variants:
+                    model = models[layout]
                     if name:
-                        model.decode_attention = attention
+                        model.decode_attention = attentions[name]
                     steps = []
-                    for i, c in enumerate(caches):
-                        if hasattr(pool, "grow"):
-                            pool.grow(c, c.length + 1)
+                    for i, c in enumerate(caches[layout]):
+                        if hasattr(pools[layout], "grow"):
+                            pools[layout].grow(c, c.length + 1)
                         steps.append(StepSlice(c, i, c.length, 1))
                     t = time.perf_counter()
                     model(torch.randint(4, a.vocab_size, (size,)), steps)
-                    times[name].append(time.perf_counter() - t)
+                    times["/".join(filter(None, (layout, name)))].append(time.perf_counter() - t)
         for name, ts in times.items():
             ms = out[f"{size}{'/' + name if name else ''}"] = statistics.median(ts[3:]) * 1000
             print(f"B={size:3d}{' ' + name if name else ''}: {ms:7.2f} ms per decode pass ({ms / size:.3f} ms per "

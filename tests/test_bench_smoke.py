@@ -174,3 +174,16 @@ def test_bench_linear_checks_and_times_every_arm():
     rows = [line.split() for line in proc.stdout.splitlines() if line.startswith(" ")]  # the header starts at 0
     assert [r[0] for r in rows] == ["M", "1", "7"], proc.stdout
     assert all(len(r) == 5 and r[-1].endswith("x") for r in rows[1:]), proc.stdout
+
+
+@pytest.mark.timeout(RUN_S + 60)
+def test_bench_pass_times_each_weight_layout_side_by_side(tiny_model):
+    """--weights: a copy of the model per layout (as loaded, packed panels with the norms apart, packed as a stage
+    holds them), passes alternated; a time per layout and size in the JSON."""
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_pass.py"), "--model", str(tiny_model),
+                           "--sizes", "1,3", "--passes", "5", "--context", "40", "--weights", "torch,panels,packed"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=RUN_S)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    times = json.loads(proc.stdout.splitlines()[-1])["ms_per_pass"]
+    assert sorted(times) == sorted(f"{b}/{w}" for b in (1, 3) for w in ("torch", "panels", "packed"))
+    assert all(ms > 0 for ms in times.values())
