@@ -111,6 +111,7 @@ class Chain:
     pass_ms: float = 0.0  # its stages' longest recent passes (prefill chunks included), summed, as reported
     max_batch_tokens: int = 0  # the smallest pass budget of its stages, as reported (0: not known yet)
     late_checks: int = 0  # health checks in a row that got no answer in time
+    marked_down: int = 0  # times a failure on it marked it down: a check begun before the last one is stale
     fingerprint: str = ""  # what its stages serve (published, then as they report it)
     problem: str = ""  # why its last check found it unusable (in ListChains), "" when it passed
     problem_key: str = ""  # what of it was logged last: each problem is logged once, not at every check

@@ -187,6 +187,7 @@ class ChainSet:
         if chain.healthy:
             log.warning(f"chain {chain.chain_id} ({chain.label}) is down: {why}", extra={"chain": chain.chain_id})
         chain.healthy = False
+        chain.marked_down += 1
         self._notify()
 
     def _notify(self) -> None:
@@ -278,11 +279,14 @@ class ChainSet:
 
     async def refresh(self) -> None:
         chains = list(self.chains)  # replace() may run while the checks await
+        marked = [c.marked_down for c in chains]
         results = await asyncio.gather(*(self.check(c) for c in chains))
         changed = False
-        for chain, result in zip(chains, results, strict=True):
+        for chain, result, before in zip(chains, results, marked, strict=True):
             if chain.withdrawn:
                 self._close_if_done(chain)  # its check may have reopened a channel
+                continue
+            if chain.marked_down != before:  # a stream failed on it mid-check: what the check saw is older
                 continue
             chain.late_checks = chain.late_checks + 1 if result is None else 0
             ok = result if result is not None else chain.healthy and chain.late_checks < LATE_CHECKS_TO_DOWN
