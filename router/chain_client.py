@@ -103,8 +103,7 @@ class Chain:
     chain_id: str = field(default_factory=lambda: f"chain-{next(_chain_counter)}")
     healthy: bool = True
     in_flight: int = 0
-    # The load its stages last reported (health checks): steps waiting at the busiest stage,
-    # and KV-pool bytes free at the fullest one.
+    # The load its stages last reported (health checks): steps queued at the busiest, KV bytes free at the fullest.
     queued_steps: int = 0
     kv_free_bytes: int = 0
     step_ms: float = 0.0  # the slowest stage's median decode pass, as reported: the base of step timeouts
