@@ -89,7 +89,7 @@ class NormInNextLinear(nn.Module):
 
     def __init__(self, norm: RMSNorm):
         super().__init__()
-        self.weight, self.eps = norm.weight, norm.eps
+        self.weight = norm.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x
