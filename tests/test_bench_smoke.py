@@ -187,3 +187,18 @@ def test_bench_pass_times_each_weight_layout_side_by_side(tiny_model):
     times = json.loads(proc.stdout.splitlines()[-1])["ms_per_pass"]
     assert sorted(times) == sorted(f"{b}/{w}" for b in (1, 3) for w in ("torch", "panels", "packed"))
     assert all(ms > 0 for ms in times.values())
+
+
+def test_bytes_per_token_count_one_row_of_an_untied_embedding_and_all_of_a_tied_one(tmp_path):
+    from safetensors import safe_open
+
+    from scripts.bench import weight_bytes_per_token
+    from stagemesh.tiny_model import make_tiny_model
+
+    for tied in (False, True):
+        model = make_tiny_model(tmp_path / str(tied), layers=2, tie_word_embeddings=tied)
+        with safe_open(str(model / "model.safetensors"), framework="pt") as f:
+            table = f.get_slice("model.embed_tokens.weight").get_shape()
+        params, read = weight_bytes_per_token(str(model), "float32")
+        unread = 0 if tied else (table[0] - 1) * table[1]
+        assert read == (params - unread) * 4
