@@ -29,6 +29,7 @@ namespace {
 constexpr int64_t kPanel = 16;  // output columns per panel: two 8-float vectors
 constexpr int64_t kRowsPerChunk = 64;  // rows of x that each sweep over the panels keeps in cache
 constexpr int64_t kPanelsPerTask = 4;  // panels a thread takes at a time (what one row's block reads at once)
+constexpr int64_t kSlice = 256;  // inputs of a panel that the blocks of a pass of 7+ rows take at a time: 16 KiB
 
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v8u __attribute__((vector_size(32), aligned(4)));
@@ -36,17 +37,28 @@ typedef float v8u __attribute__((vector_size(32), aligned(4)));
 inline v8 load(const float* p) { return *reinterpret_cast<const v8u*>(p); }
 inline void store(float* p, v8 v) { *reinterpret_cast<v8u*>(p) = v; }
 
-// MB rows of x against NP panels (starting at panel p): MB x 2NP accumulators.
+// MB rows of x against NP panels (starting at panel p), over inputs [k0, k1): MB x 2NP accumulators, which start
+// from the bias (k0 == 0) or from the partial sums this block stored in y for [0, k0), so that however K is
+// sliced every output is the same chain of multiply-adds over k in order.
 template <int MB, int NP>
 inline void block(const float* x, int64_t K, const float* panels, const float* bias, float* y, int64_t N,
-                  int64_t p) {
+                  int64_t p, int64_t k0, int64_t k1) {
   v8 acc[MB][2 * NP];
   for (int j = 0; j < 2 * NP; ++j) {
-    const v8 b = bias ? load(bias + p * kPanel + 8 * j) : v8{};
-    for (int i = 0; i < MB; ++i) acc[i][j] = b;
+    const int64_t n = p * kPanel + 8 * j;  // panel p + j / 2, half j % 2
+    for (int i = 0; i < MB; ++i) {
+      if (k0 == 0) {
+        acc[i][j] = bias ? load(bias + n) : v8{};
+      } else if (n + 8 <= N) {
+        acc[i][j] = load(y + i * N + n);
+      } else {  // the last panel's padding columns were not stored: they start again from 0, and are never read
+        acc[i][j] = v8{};
+        for (int64_t c = n; c < N; ++c) acc[i][j][c - n] = y[i * N + c];
+      }
+    }
   }
   const float* w = panels + p * K * kPanel;
-  for (int64_t k = 0; k < K; ++k) {
+  for (int64_t k = k0; k < k1; ++k) {
     v8 wk[2 * NP];
     for (int j = 0; j < 2 * NP; ++j) wk[j] = load(w + (j / 2) * K * kPanel + k * kPanel + 8 * (j % 2));
     for (int i = 0; i < MB; ++i) {
@@ -56,7 +68,7 @@ inline void block(const float* x, int64_t K, const float* panels, const float* b
     }
   }
   for (int j = 0; j < 2 * NP; ++j) {
-    const int64_t n = p * kPanel + 8 * j;  // panel p + j / 2, half j % 2
+    const int64_t n = p * kPanel + 8 * j;
     if (n + 8 <= N) {
       for (int i = 0; i < MB; ++i) store(y + i * N + n, acc[i][j]);
     } else {  // the last panel's padding columns are not written
@@ -66,29 +78,47 @@ inline void block(const float* x, int64_t K, const float* panels, const float* b
   }
 }
 
-// Rows [0, M) of x against panels [p0, p1): blocks of up to 6 rows; one or two rows take several panels at once
-// (a single chain per vector would wait on the multiply-add's latency).
+// Rows [0, M) of x against panels [p0, p1). Up to 6 rows: one sweep over each panel, one or two rows taking
+// several panels at once (a single chain per vector would wait on the multiply-add's latency). More rows: in
+// blocks of 3 to 6 (as even as they split: 8 rows are 4 + 4, not 6 + 2, whose second block would wait on its
+// chains), each panel a slice of kSlice inputs at a time, so that the slice, read from memory by the first block,
+// stays in L1 for the others (a whole panel does not: before, a pass of 7-16 rows ran at half the arithmetic rate
+// of a prefill chunk; README, "Passes of a few rows").
 void rows_against_panels(const float* x, int64_t M, int64_t K, const float* panels, const float* bias, float* y,
                          int64_t N, int64_t p0, int64_t p1) {
-  const int64_t m = M - M % 6;
-  for (int64_t p = p0; p < p1; ++p)  // each panel read from memory once, from cache for the next blocks of rows
-    for (int64_t r = 0; r < m; r += 6) block<6, 1>(x + r * K, K, panels, bias, y + r * N, N, p);
-  const float* xm = x + m * K;
-  float* ym = y + m * N;
+  if (M > 6) {
+    const int64_t blocks = (M + 5) / 6;
+    for (int64_t p = p0; p < p1; ++p)
+      for (int64_t k0 = 0; k0 < K; k0 += kSlice) {
+        const int64_t k1 = std::min(K, k0 + kSlice);
+        for (int64_t b = 0; b < blocks; ++b) {
+          const int64_t r = b * M / blocks;
+          const float* xb = x + r * K;
+          float* yb = y + r * N;
+          switch ((b + 1) * M / blocks - r) {
+            case 3: block<3, 1>(xb, K, panels, bias, yb, N, p, k0, k1); break;
+            case 4: block<4, 1>(xb, K, panels, bias, yb, N, p, k0, k1); break;
+            case 5: block<5, 1>(xb, K, panels, bias, yb, N, p, k0, k1); break;
+            default: block<6, 1>(xb, K, panels, bias, yb, N, p, k0, k1); break;
+          }
+        }
+      }
+    return;
+  }
   int64_t p = p0;
-  switch (M - m) {
-    case 0: break;
+  switch (M) {
     case 1:
-      for (; p + 4 <= p1; p += 4) block<1, 4>(xm, K, panels, bias, ym, N, p);
-      for (; p < p1; ++p) block<1, 1>(xm, K, panels, bias, ym, N, p);
+      for (; p + 4 <= p1; p += 4) block<1, 4>(x, K, panels, bias, y, N, p, 0, K);
+      for (; p < p1; ++p) block<1, 1>(x, K, panels, bias, y, N, p, 0, K);
       break;
     case 2:
-      for (; p + 2 <= p1; p += 2) block<2, 2>(xm, K, panels, bias, ym, N, p);
-      for (; p < p1; ++p) block<2, 1>(xm, K, panels, bias, ym, N, p);
+      for (; p + 2 <= p1; p += 2) block<2, 2>(x, K, panels, bias, y, N, p, 0, K);
+      for (; p < p1; ++p) block<2, 1>(x, K, panels, bias, y, N, p, 0, K);
       break;
-    case 3: for (; p < p1; ++p) block<3, 1>(xm, K, panels, bias, ym, N, p); break;
-    case 4: for (; p < p1; ++p) block<4, 1>(xm, K, panels, bias, ym, N, p); break;
-    default: for (; p < p1; ++p) block<5, 1>(xm, K, panels, bias, ym, N, p); break;
+    case 3: for (; p < p1; ++p) block<3, 1>(x, K, panels, bias, y, N, p, 0, K); break;
+    case 4: for (; p < p1; ++p) block<4, 1>(x, K, panels, bias, y, N, p, 0, K); break;
+    case 5: for (; p < p1; ++p) block<5, 1>(x, K, panels, bias, y, N, p, 0, K); break;
+    default: for (; p < p1; ++p) block<6, 1>(x, K, panels, bias, y, N, p, 0, K); break;
   }
 }
 

@@ -31,8 +31,8 @@ def linears(model) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, (nn.Linear, packed_weights.PackedLinear))]
 
 
-@pytest.mark.parametrize("shape", [(100, 64, True), (48, 33, False), (16, 1, True), (3, 40, False)],
-                         ids=["padded-panel", "odd-features", "one-feature", "less-than-a-panel"])
+@pytest.mark.parametrize("shape", [(100, 64, True), (48, 33, False), (16, 1, True), (3, 40, False), (50, 700, True)],
+                         ids=["padded-panel", "odd-features", "one-feature", "less-than-a-panel", "several-slices"])
 def test_a_packed_linear_is_the_linear_for_any_shape_and_rows(shape):
     """Outputs not a multiple of 16 (the last panel padded), any number of input features, with and without
     bias, from 0 rows to more than one chunk of 64, in 2-D and 3-D: within float32 rounding of the product in
@@ -53,15 +53,16 @@ def test_a_packed_linear_is_the_linear_for_any_shape_and_rows(shape):
 
 
 def test_a_rows_result_does_not_depend_on_the_rest_of_its_pass():
-    """Each output is one chain of multiply-adds in input order, however the pass is blocked: a row alone and the
-    same row in passes of 2 to 70 rows (every block size, and past a chunk) come out bit for bit the same."""
+    """Each output is one chain of multiply-adds in input order, however the pass is blocked and its inputs
+    sliced: a row alone and the same row anywhere in passes of 2 to 70 rows (every block size and split, 300
+    inputs in two slices, and past a chunk) come out bit for bit the same."""
     torch.manual_seed(3)
     packed = packed_weights.PackedLinear(nn.Linear(300, 200))
     row = torch.randn(1, 300)
     with torch.inference_mode():
         alone = packed(row)
-        for rows in (2, 3, 4, 5, 6, 7, 12, 64, 70):
-            for at in (0, rows - 1):
+        for rows in (2, 3, 4, 5, 6, 7, 8, 12, 16, 17, 64, 70):
+            for at in (0, rows // 2, rows - 1):
                 x = torch.randn(rows, 300)
                 x[at] = row[0]
                 assert torch.equal(packed(x)[at], alone[0]), (rows, at)
