@@ -1,35 +1,40 @@
 #!/usr/bin/env bash
-# The GPU check (issues 12 and 15), for a machine with a CUDA GPU; under ~8 minutes on an H200.
+# The GPU check (issues 12 and 15), for a machine with a CUDA GPU; about 6 minutes on an H200.
 #
-#   scripts/gpu_check.sh [--model DIR] [--out DIR] [--python PY] [--dry-run]
+#   scripts/gpu_check.sh [--model DIR] [--out DIR] [--python PY] [--keep-going] [--dry-run]
 #
 # 1. makes a ~1.1B random Llama in bfloat16 (TinyLlama's shape: hidden 2048, 22 layers, 32 heads, 4 KV heads,
 #    intermediate 5632, vocab 32000; stagemesh/tiny_model.py, no model hub) unless DIR holds one;
-# 2. runs the exactness test on CUDA in bfloat16 against transformers on CUDA (tests/test_device_exactness.py);
+# 2. exactness on CUDA: a 2-stage chain in bfloat16 against transformers on CUDA, eager and with --cuda-graphs
+#    (tests/test_device_exactness.py), and the tiny Llama's padded graph buckets in float32 against transformers
+#    within 1e-4 (tests/test_cuda_graphs.py);
 # 3. measures the HBM bandwidth (a device-to-device copy) and prints it next to the H200's 4.8 TB/s and the
 #    batch-1 decode limit it sets;
-# 4. runs scripts/bench.py on the GPU: single-stream decode and 32/64 mixed streams, 1 and 2 stages, side by
-#    side with transformers;
-# 5. decode ms/token of a 2-stage chain with --compile off and on. CUDA graphs are not implemented (README,
-#    Performance): nothing to switch on.
+# 4. the decode pass of the model's first 11 layers in process, 1, 32 and 64 sessions: eager against replayed
+#    CUDA graphs (scripts/bench_step_compile.py), the per-step cost of launching kernels one by one;
+# 5. runs scripts/bench.py on the GPU with --cuda-graphs: single-stream decode and 32/64 mixed streams, 1 and 2
+#    stages, side by side with transformers.
 #
-# It fails loudly: the first failing step stops it with a message naming the step. --dry-run checks the
-# arguments and prints the steps without running them (what a machine without a GPU can check).
-# Not yet run on a GPU: no GPU was lent when it was written.
+# It fails loudly: the first failing step stops it with a message naming the step (--keep-going: every step
+# runs, the failed ones are named at the end and the exit status is 1). --dry-run checks the arguments and
+# prints the steps without running them (what a machine without a GPU can check).
 set -euo pipefail
 
 MODEL=models/llama-1b
 OUT=bench-out/gpu
 PY=${PYTHON:-.venv/bin/python}
 DRY=0
+KEEP=0
+FAILED=()
 
-usage() { sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; }
 
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --model) MODEL=${2:?--model needs a directory}; shift 2 ;;
     --out) OUT=${2:?--out needs a directory}; shift 2 ;;
     --python) PY=${2:?--python needs an interpreter}; shift 2 ;;
+    --keep-going) KEEP=1; shift ;;
     --dry-run) DRY=1; shift ;;
     -h|--help) usage; exit 0 ;;
     *) echo "gpu_check: unknown argument $1" >&2; usage >&2; exit 2 ;;
@@ -40,7 +45,15 @@ cd "$(dirname "$0")/.."
 STEP="start"
 trap 'echo "gpu_check: FAILED in step: $STEP (exit $?)" >&2' ERR
 step() { STEP=$1; echo; echo "== $STEP"; }
-run() { echo "+ $*"; if [[ $DRY == 0 ]]; then "$@"; fi; }
+run() {
+  echo "+ $*"
+  [[ $DRY == 1 ]] && return 0
+  if [[ $KEEP == 1 ]]; then
+    "$@" || { echo "gpu_check: step failed: $STEP (exit $?); going on (--keep-going)" >&2; FAILED+=("$STEP"); }
+  else
+    "$@"
+  fi
+}
 
 step "0. a CUDA device"
 run "$PY" -c 'import sys, torch
@@ -58,8 +71,8 @@ if not (Path('$MODEL') / 'config.json').exists():
                     vocab=32000, max_position=4096, dtype='bfloat16', seed=0)
 print('model ready')"
 
-step "2. exactness on CUDA in bfloat16 against transformers on CUDA"
-run "$PY" -m pytest -q -x -p no:cacheprovider tests/test_device_exactness.py \
+step "2. exactness on CUDA: bfloat16 against transformers, eager and with CUDA graphs; padded buckets in float32"
+run "$PY" -m pytest -q -s -p no:cacheprovider tests/test_device_exactness.py tests/test_cuda_graphs.py \
   --device cuda --test-dtype bfloat16 --test-model "$MODEL"
 
 step "3. HBM bandwidth"
@@ -77,15 +90,18 @@ weights = sum(p.stat().st_size for p in Path('$MODEL').glob('*.safetensors'))
 print(f'HBM copy bandwidth {bw / 1e12:.2f} TB/s (H200 spec: 4.8 TB/s); {weights / 2**30:.2f} GiB of weights:')
 print(f'batch-1 decode limit {weights / bw * 1000:.3f} ms/token measured, {weights / 4.8e12 * 1000:.3f} at spec')"
 
-step "4. bench.py on the GPU: single stream, 32 and 64 mixed streams, 1 and 2 stages, against transformers"
-run "$PY" scripts/bench.py --model "$MODEL" --dtype bfloat16 --device cuda --stages 1,2 --replicas 1 \
-  --levels 1,32,64 --repeats 2 --out "$OUT/bench"
+step "4. the decode pass of layers 0:11 in process, eager against CUDA graphs (1, 32 and 64 sessions)"
+run "$PY" scripts/bench_step_compile.py --model "$MODEL" --device cuda --dtype bfloat16 --end 11 --sizes 1,32,64 \
+  --passes 50 --variants eager,graphs
 
-step "5. decode ms/token, 2 stages, --compile on (compare with step 4's 2-stage single-stream decode)"
-run "$PY" scripts/bench.py --model "$MODEL" --dtype bfloat16 --device cuda --stages 2 --replicas 1 \
-  --levels 1 --repeats 3 --stage-arg=--compile --out "$OUT/compile"
-echo "CUDA graphs: not implemented (today's attention steps each session apart; README, Performance)"
+step "5. bench.py on the GPU with --cuda-graphs: single stream, 32 and 64 mixed streams, 1 and 2 stages"
+run "$PY" scripts/bench.py --model "$MODEL" --dtype bfloat16 --device cuda --stages 1,2 --replicas 1 \
+  --levels 1,32,64 --repeats 1 --stage-arg=--cuda-graphs --out "$OUT/bench"
 
 STEP="done"
 echo
+if [[ ${#FAILED[@]} -gt 0 ]]; then
+  echo "gpu_check: failed steps: ${FAILED[*]}"
+  exit 1
+fi
 echo "gpu_check: all steps passed$([[ $DRY == 1 ]] && echo ' (dry run: nothing was run)')"

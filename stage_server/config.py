@@ -155,6 +155,10 @@ class StageConfig:
     """torch.compile (inductor) the whole decode pass (all layers, KV writes, attention, LM head) as one graph;
     prefill stays eager. Compiled in the warm-up before SERVING (the time shows in the cold start); eager, logged
     once, if compilation fails (stage_server/compiled.py). Not with --quantize or --tp."""
+    cuda_graphs: bool = False
+    """On CUDA, decode passes replay CUDA graphs captured in the warm-up before SERVING, one per padded batch
+    (1, 2, 4 ... 128 sessions) and padded key length (stage_server/cuda_graphs.py); prefill and larger passes run
+    eager, and so does a stage not on CUDA or whose capture failed (logged). Not with --compile, --quantize or --tp."""
     attention_kernel: bool = True
     """On the CPU, decode steps attend by the paged attention kernel, which reads K/V where they lie in the pool
     (built with this host's C++ compiler on first use and cached, stage_server/paged_attention.py); off, or where
@@ -231,6 +235,9 @@ class StageConfig:
         if self.compile and self.quantize != "none":
             raise refused(self, "compile", "is not supported with --quantize yet (the compiled decode pass has no "
                                            "int8 kernels); leave one of them out")
+        if self.cuda_graphs and (self.compile or self.quantize != "none" or self.tp > 1):
+            raise refused(self, "cuda_graphs", "is not supported with --compile, --quantize or --tp yet (it captures "
+                                               "the eager decode pass of one process); leave those out")
         if self.devices is not None and not self.devices >= 1:
             raise refused(self, "devices", "must be >= 1 (leave it out to count this machine's CUDA devices)")
         self.host_id = self.host_id or socket.gethostname()

@@ -20,6 +20,7 @@ from stage_server import packed_weights, paged_attention
 from stage_server.batcher import StepBatcher
 from stage_server.compiled import compile_stage, compiled_graphs, is_compiled, warm_up_decode
 from stage_server.config import StageConfig, max_step_bytes, split_host_port
+from stage_server.cuda_graphs import capture_decode_graphs
 from stage_server.kv_pool import KVPool, PoolExhausted
 from stage_server.loader import TORCH_DTYPES, load_stage
 from stage_server.model import StageModel, StepSlice
@@ -149,24 +150,27 @@ class WarmUp:
     full_pass_ms: float
     """Its timed prefill pass scaled to max_batch_tokens tokens. Per token a short pass costs more than a full
     one (the weights are read once a pass), so the estimate errs long; 0 where the pool could not hold it."""
+    graphs: str = ""
+    """What --cuda-graphs captured, for the cold-start log line ("" without the flag)."""
 
 
-def warm_up(model: StageModel, pool: KVPool, max_batch_tokens: int) -> WarmUp:
+def warm_up(model: StageModel, pool: KVPool, max_batch_tokens: int, cuda_graphs: bool = False) -> WarmUp:
     """Passes over a scratch session before the stage says SERVING, so that the first caller does not pay for
     first-use costs (allocator growth, kernel selection, --compile's compilation of its decode graphs), and
     two of them timed, so that a fresh chain's first long pass is not taken for a hang (a router times a step
     by the passes its stages report, and before this they had none). A compilation that fails leaves the stage
-    eager (logged once)."""
+    eager (logged once). With cuda_graphs, the decode graphs are captured first (the timed passes replay them)."""
     t0 = time.perf_counter()
     if is_compiled(model):
         warm_up_decode(model, pool)
+    graphs = capture_decode_graphs(model, pool, max_batch_tokens) if cuda_graphs else ""
     _scratch_passes(model, pool, (1,))
     n = max(1, min(PROBE_TOKENS, max_batch_tokens, model.args.max_position - 1))
     try:
         prefill_s, step_s = _scratch_passes(model, pool, (n, 1))
     except PoolExhausted:
         prefill_s = step_s = 0.0
-    return WarmUp(time.perf_counter() - t0, step_s * 1000, prefill_s * 1000 * max_batch_tokens / n)
+    return WarmUp(time.perf_counter() - t0, step_s * 1000, prefill_s * 1000 * max_batch_tokens / n, graphs)
 
 
 class StageServer:
@@ -271,12 +275,13 @@ class StageServer:
         kv_bytes = int(config.kv_cache_gb * 2**30) if config.kv_cache_gb else default_kv_bytes(model.device)
         self.pool = KVPool(kv_bytes, len(model.layers), args.num_kv_heads, args.head_dim, model.dtype, model.device,
                            config.kv_block_size, config.kv_lookahead_blocks)
-        warm = await self.in_compute(warm_up, model, self.pool, config.batcher.max_batch_tokens)
+        warm = await self.in_compute(warm_up, model, self.pool, config.batcher.max_batch_tokens, config.cuda_graphs)
         warm_s = warm.seconds
         compiled = (f" with torch.compile ({compiled_graphs(model)} decode graphs)" if is_compiled(model)
                     else " (eager: compilation failed)") if config.compile else ""
         model.load_s += warm_s  # the cold start: load, then warm-up (and compilation) before serving
-        log.info(f"warm-up in {warm_s * 1000:.0f} ms{compiled}; cold start {model.load_s:.2f}s before serving; "
+        log.info(f"warm-up in {warm_s * 1000:.0f} ms{compiled}{warm.graphs}; "
+                 f"cold start {model.load_s:.2f}s before serving; "
                  f"a decode step ~{warm.step_ms:.1f} ms, a full pass ({config.batcher.max_batch_tokens} tokens) "
                  f"~{warm.full_pass_ms:.0f} ms", extra={"stage": self.address})
         self.sessions = SessionTable(self.pool, args.max_position, LogBudget(int(config.output_log_gb * 2**30)),
