@@ -15,7 +15,9 @@ rather than SDPA. Written out, keys past a session's position, and the NULL_BLOC
 the pass's width, are masked, and masked by selection, not by adding -inf: the graph reads whole blocks, so
 the slots of a session's last block past its position were never written and hold whatever the memory held,
 NaN included, and 0 * NaN (or NaN - inf) is NaN. Their scores are set to -inf and their values to 0 (both fuse
-into the gather). The kernel never reads them.
+into the gather). The kernel never reads them. Written out, the scores, softmax and weighted sum are float32
+whatever the model's dtype (a no-op in float32), as in SDPA's kernels and the paged attention kernel: in bfloat16
+they cost a 1.1B Llama's greedy tokens their agreement with transformers within a few steps (scripts/gpu_check.sh).
 """
 
 from __future__ import annotations
@@ -64,11 +66,11 @@ def decode_pass_fn(model: StageModel, block_size: int) -> Callable[..., torch.Te
                 x = x + at.o_proj(o.reshape(B, H * D))
             else:
                 visible = masks[at.window]
-                k = k_pool[i][keys].permute(2, 0, 1, 3)  # [kvH, B, Lk, D]
-                v = torch.where(visible[None, :, :, None], v_pool[i][keys].permute(2, 0, 1, 3), 0.0)
-                q = qk[:, :H].reshape(B, kvH, H // kvH, D).transpose(0, 1)  # [kvH, B, group, D]
+                k = k_pool[i][keys].permute(2, 0, 1, 3).float()  # [kvH, B, Lk, D]
+                v = torch.where(visible[None, :, :, None], v_pool[i][keys].permute(2, 0, 1, 3).float(), 0.0)
+                q = qk[:, :H].reshape(B, kvH, H // kvH, D).transpose(0, 1).float()  # [kvH, B, group, D]
                 scores = torch.where(visible[None, :, None, :], (q @ k.transpose(-1, -2)) * scale, float("-inf"))
-                o = torch.softmax(scores, dim=-1) @ v  # [kvH, B, group, D]
+                o = (torch.softmax(scores, dim=-1) @ v).to(x.dtype)  # [kvH, B, group, D]
                 x = x + at.o_proj(o.transpose(0, 1).reshape(B, H * D))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return model.lm_head(model.norm(x)).float() if model.is_last else x
