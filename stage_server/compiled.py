@@ -15,8 +15,8 @@ compile keeps its own graphs (isolate_recompiles), so two stages in one process 
 
 Compilation that fails (in the warm-up or on a later shape) sends the stage back to eager for good, logged
 once; the pass that failed runs eager. --tp is refused with --compile (the ranks' all-reduces are not in
-the graph), and so is --quantize (config.py). CUDA graphs are not implemented: they need static shapes per
-padded batch bucket, and no GPU was lent to try them.
+the graph), and so is --quantize (config.py). CUDA graphs are --cuda-graphs (stage_server/cuda_graphs.py): the
+eager pass captured per padded bucket, refused beside --compile.
 """
 
 from __future__ import annotations
