@@ -96,7 +96,7 @@ def uncompile_stage(model: StageModel, reason: BaseException) -> None:
 
 
 def is_compiled(model: StageModel) -> bool:
-    return model.decode_graph is not None
+    return isinstance(model.decode_graph, CompiledDecode)  # not --cuda-graphs' GraphedDecode
 
 
 def compiled_graphs(model: StageModel) -> int:

@@ -309,7 +309,11 @@ class KVPool:
     def reading(self, caches: Iterable[SessionCache]) -> Iterator[None]:
         """While a pass reads these caches' block tables (the compute thread; a tensor-parallel stage also sends
         them to its ranks), a session closed on the event loop keeps its blocks: every reader of the pass sees one
-        table, and no block goes back to the pool while the pass may still write it."""
+        table, and no block goes back to the pool while the pass may still write it. When the pass ends, the full
+        blocks it computed are registered for prefix caching at once, before its results go out: a session that
+        opens with the same tokens right after a step's answer finds them (not at that session's next step or close,
+        which may come later)."""
+        caches = list(caches)
         with self._lock:
             self._in_pass = {id(c) for c in caches}
         try:
@@ -320,6 +324,9 @@ class KVPool:
                 for cache in self._closed_in_pass:
                     self._give_back(cache)
                 self._closed_in_pass.clear()
+                for cache in caches:
+                    if id(cache) in self.caches:
+                        self._register(cache)
 
     def slots(self, cache: SessionCache, start: int, end: int) -> list[int]:
         """Pool slots of positions [start, end) of cache."""

@@ -181,7 +181,8 @@ class StageModel(nn.Module):
         self.rope_scale = rope_scale
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # rope_tables(), made on first use
         self.load_s = 0.0  # how long loading took (cold start), set by the stage server
-        self.decode_graph = None  # --compile: decode passes' compiled graph (stage_server/compiled.py)
+        # Decode passes' graph: --compile's (stage_server/compiled.py) or --cuda-graphs' (stage_server/cuda_graphs.py).
+        self.decode_graph = None
         # On the CPU, the kernel that attends decode steps over K/V in place (stage_server/paged_attention.py);
         # None: gathered for SDPA.
         self.decode_attention: DecodeAttention | None = None
@@ -219,7 +220,7 @@ class StageModel(nn.Module):
         last position [len(steps), vocab] in float32. Advances each step's cache length.
         """
         if self.decode_graph is not None and len(steps) == inputs.shape[0]:  # decode steps only: compiled
-            out = self.decode_graph(inputs, steps)  # None: compilation failed, the stage is eager from now on
+            out = self.decode_graph(inputs, steps)  # None: no graph for this pass (or compilation failed): eager
             if out is not None:
                 for st in steps:
                     st.cache.length = st.start + 1

@@ -57,6 +57,21 @@ def test_a_session_that_starts_like_an_ended_one_attaches_its_full_blocks():
     assert p.blocks_used == 0 and p.cached_blocks == 3
 
 
+def test_blocks_a_pass_computed_are_found_before_their_session_steps_again_or_closes():
+    """A step's answer goes out when its pass ends; a session opened with the same tokens right then (before the
+    first one's next step or its close, which come whenever its caller sends them) attaches the blocks that pass
+    computed. Before, they were indexed only at the session's next growth or its end: a caller quick enough to
+    open the second session first computed them again (a race tests/test_prefix_cache.py lost under load)."""
+    p = pool(8)
+    first = p.allocate(64, p.prefix_keys(list(range(14)), "salt"))
+    with p.reading([first]):
+        computed(p, first, 14)  # the pass: 3 full blocks and 2 positions
+    follower = p.allocate(64, p.prefix_keys(list(range(14)), "salt"))
+    assert follower.attached == 12 and follower.blocks[:3] == first.blocks[:3]
+    p.release(first)
+    p.release(follower)
+
+
 def test_an_attached_prefix_leaves_a_position_to_compute():
     p = pool(8)
     first = p.allocate(64, p.prefix_keys(list(range(8)), ""))
