@@ -32,8 +32,8 @@ import torch.compiler as tc  # noqa: E402
 
 from stage_server.compiled import CompiledDecode  # noqa: E402
 from stage_server.cuda_graphs import GraphedDecode  # noqa: E402
-from stage_server.decode_graph import decode_pass_fn  # noqa: E402
-from stage_server.kv_pool import NULL_BLOCK, KVPool  # noqa: E402
+from stage_server.decode_graph import decode_pass_fn, key_blocks  # noqa: E402
+from stage_server.kv_pool import KVPool  # noqa: E402
 from stage_server.loader import load_stage  # noqa: E402
 from stage_server.model import StageModel, StepSlice  # noqa: E402
 
@@ -106,10 +106,10 @@ def run_size(model: StageModel, B: int, args: argparse.Namespace) -> None:
                 model.decode_graph = by_name[f]
                 return model(x, steps)
             pos = torch.tensor([st.start for st in steps], device=dev)
-            nb = max(2, pool.blocks_for(max(st.start for st in steps) + 1))  # nb >= 2: no 0/1 specialisation
+            nb = key_blocks(steps)
             if "static" in f.__name__:  # static shapes: key blocks padded to a power of two (a graph per bucket)
                 nb = 1 << (nb - 1).bit_length()
-            table = torch.tensor([c.blocks[:nb] + [NULL_BLOCK] * (nb - len(c.blocks[:nb])) for c in caches], device=dev)
+            table = torch.tensor([c.block_table(nb) for c in caches], device=dev)
             out = f(x, pos, table, cos, sin, pool.k, pool.v)
             for st in steps:
                 st.cache.length = st.start + 1

@@ -26,8 +26,8 @@ import logging
 import torch
 import torch.compiler
 
-from stage_server.decode_graph import decode_pass_fn
-from stage_server.kv_pool import NULL_BLOCK, KVPool
+from stage_server.decode_graph import decode_pass_fn, key_blocks
+from stage_server.kv_pool import KVPool
 from stage_server.model import StageModel, StepSlice
 
 log = logging.getLogger("stagemesh.stage")
@@ -71,9 +71,8 @@ class CompiledDecode:
     def _run(self, inputs: torch.Tensor, steps: list[StepSlice]) -> torch.Tensor:
         pool = steps[0].cache.pool
         end = max(st.start for st in steps) + 1
-        nb = max(2, pool.blocks_for(end))  # 2 at least: dynamo would specialise a width of 1
-        table = torch.tensor([st.cache.blocks[:nb] + [NULL_BLOCK] * (nb - len(st.cache.blocks[:nb])) for st in steps],
-                             device=inputs.device)  # [B, nb]
+        nb = key_blocks(steps)
+        table = torch.tensor([st.cache.block_table(nb) for st in steps], device=inputs.device)  # [B, nb]
         pos = torch.tensor([st.start for st in steps], device=inputs.device)  # [B]
         cos, sin = self.model.rope(end, self.model.dtype)
         if self._rope_marked is not cos:  # the pool and the rope tables are static: their sizes never vary

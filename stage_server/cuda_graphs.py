@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from stage_server.decode_graph import decode_pass_fn
+from stage_server.decode_graph import decode_pass_fn, key_blocks
 from stage_server.kv_pool import NULL_BLOCK, KVPool
 from stage_server.model import StageModel, StepSlice
 
@@ -105,11 +105,11 @@ class GraphedDecode:
         or None when it has no bucket (it runs eager)."""
         n = len(steps)
         b = bucket(n, self.batches)
-        nb = bucket(max(2, self.pool.blocks_for(max(st.start for st in steps) + 1)), self.widths)
+        nb = bucket(key_blocks(steps), self.widths)
         if b is None or nb is None:
             return None
         # Rows past n: position 0 in the null block (what the buffers held at capture), whatever they held since.
-        table = [st.cache.blocks[:nb] + [NULL_BLOCK] * (nb - len(st.cache.blocks[:nb])) for st in steps]
+        table = [st.cache.block_table(nb) for st in steps]
         table += [[NULL_BLOCK] * nb] * (b - n)
         pos = [st.start for st in steps] + [0] * (b - n)
         self.inputs[:n].copy_(inputs)

@@ -26,7 +26,13 @@ from collections.abc import Callable
 
 import torch
 
-from stage_server.model import StageModel, apply_rope
+from stage_server.model import StageModel, StepSlice, apply_rope
+
+
+def key_blocks(steps: list[StepSlice]) -> int:
+    """The width of a decode pass's block tables: the blocks up to its furthest new position, 2 at least (dynamo
+    would specialise a width of 1)."""
+    return max(2, steps[0].cache.pool.blocks_for(max(st.start for st in steps) + 1))
 
 
 def decode_pass_fn(model: StageModel, block_size: int) -> Callable[..., torch.Tensor]:

@@ -79,6 +79,10 @@ class SessionCache:
     def capacity(self) -> int:
         return self.max_length
 
+    def block_table(self, width: int) -> list[int]:
+        """Its first `width` blocks, padded with NULL_BLOCK to that width: its row of a pass's block tables."""
+        return self.blocks[:width] + [NULL_BLOCK] * (width - len(self.blocks[:width]))
+
 
 class KVPool:
     def __init__(self, capacity_bytes: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,

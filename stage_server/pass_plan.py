@@ -148,8 +148,7 @@ def _group(steps: list[StepSlice], pool: KVPool, device: torch.device, paged: bo
         valid.extend([True] * st.length + [False] * pad)
         q_pos.extend([*range(st.start, st.start + st.length), *([0] * pad)])
     n_blocks = pool.blocks_for(k_len)
-    table = torch.tensor([st.cache.blocks[:n_blocks] + [NULL_BLOCK] * (n_blocks - len(st.cache.blocks[:n_blocks]))
-                          for st in steps], device=device)  # [B, n_blocks]
+    table = torch.tensor([st.cache.block_table(n_blocks) for st in steps], device=device)  # [B, n_blocks]
     ends_t = torch.tensor(ends, device=device)
     gather = None
     if not paged:

@@ -18,6 +18,8 @@ torch.set_num_threads(2)
 from router.chain_client import Chain, ChainSession, Sampling, StageEndpoint  # noqa: E402
 from router.server import RouterConfig, RouterServer  # noqa: E402
 from stage_server.config import StageConfig  # noqa: E402
+from stage_server.kv_pool import KVPool, SessionCache  # noqa: E402
+from stage_server.model import StageModel, StepSlice  # noqa: E402
 from stage_server.server import StageServer  # noqa: E402
 from stagemesh import grpc_server, tensor_codec  # noqa: E402
 from stagemesh.tiny_model import make_tiny_model  # noqa: E402
@@ -127,6 +129,36 @@ def hf_models(tiny_models):
     from transformers import AutoModelForCausalLM
 
     return {f: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval() for f, p in tiny_models.items()}
+
+
+def decode_passes_match_transformers(model: StageModel, hf, pool: KVPool, seqs: list[list[int]],
+                                     batches: list[list[int]], device: str = "cpu") -> list[SessionCache]:
+    """In process, no server: a session per prompt in seqs, prefilled together in one eager pass, then decoded in
+    one pass per batch (indices into seqs, in row order). Every step's logits within 1e-4 of transformers' forward
+    pass over its session's tokens, and the greedy token the same; each prompt grows by its tokens. Returns the
+    sessions' caches."""
+    caches = [pool.allocate(64) for _ in seqs]
+    steps, offset = [], 0
+    for cache, ids in zip(caches, seqs, strict=True):
+        pool.grow(cache, len(ids))
+        steps.append(StepSlice(cache, offset, 0, len(ids)))
+        offset += len(ids)
+    out = model(torch.tensor([t for ids in seqs for t in ids], device=device), steps)
+    for ids, row in zip(seqs, out, strict=True):
+        ids.append(int(row.argmax()))
+    for batch in batches:
+        steps = []
+        for i, s in enumerate(batch):
+            pool.grow(caches[s], caches[s].length + 1)
+            steps.append(StepSlice(caches[s], i, caches[s].length, 1))
+        out = model(torch.tensor([seqs[s][-1] for s in batch], device=device), steps)  # one decode pass
+        with torch.inference_mode():
+            for s, row in zip(batch, out, strict=True):
+                ref = hf(torch.tensor([seqs[s]], device=device)).logits[0, -1]
+                torch.testing.assert_close(row, ref, atol=1e-4, rtol=0)
+                assert int(row.argmax()) == int(ref.argmax())
+                seqs[s].append(int(row.argmax()))
+    return caches
 
 
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:

@@ -19,10 +19,9 @@ from stage_server.compiled import compile_stage, compiled_graphs, is_compiled, w
 from stage_server.config import StageConfig
 from stage_server.kv_pool import KVPool
 from stage_server.loader import load_stage
-from stage_server.model import StepSlice
 from stagemesh.tiny_model import make_tiny_model
 from stagemesh.v1 import router_pb2
-from tests.conftest import collect, hf_greedy, splits, start_mesh, stepped_logits
+from tests.conftest import collect, decode_passes_match_transformers, hf_greedy, splits, start_mesh, stepped_logits
 from tests.test_exactness import prompt
 
 pytestmark = pytest.mark.compile
@@ -78,28 +77,9 @@ def test_batched_decode_passes_compiled_match_transformers(compile_models, famil
     warmed = compiled_graphs(model)
     assert 1 <= warmed <= 2  # B = 1 and B >= 2
     seqs = [prompt(n, seed=60 + n) for n in (1, 5, 9, 17)]
-    caches = [pool.allocate(64) for _ in seqs]
-    steps, offset = [], 0
-    for cache, ids in zip(caches, seqs, strict=True):  # one eager prefill pass for all of them
-        pool.grow(cache, len(ids))
-        steps.append(StepSlice(cache, offset, 0, len(ids)))
-        offset += len(ids)
-    out = model(torch.tensor([t for ids in seqs for t in ids]), steps)
-    for ids, row in zip(seqs, out, strict=True):
-        ids.append(int(row.argmax()))
-    for k in range(14):
-        batch = [0, 1, 2, 3][: (4, 1, 3, 2)[k % 4]] if k % 5 else [3, 1]  # sizes 1-4, sessions in any order
-        steps = []
-        for i, s in enumerate(batch):
-            pool.grow(caches[s], caches[s].length + 1)
-            steps.append(StepSlice(caches[s], i, caches[s].length, 1))
-        out = model(torch.tensor([seqs[s][-1] for s in batch]), steps)  # one compiled pass
-        with torch.inference_mode():
-            for s, row in zip(batch, out, strict=True):
-                ref = hf(torch.tensor([seqs[s]])).logits[0, -1]
-                torch.testing.assert_close(row, ref, atol=1e-4, rtol=0)
-                assert int(row.argmax()) == int(ref.argmax())
-                seqs[s].append(int(row.argmax()))
+    # passes of sizes 1-4, sessions in any order: each one compiled pass
+    batches = [[0, 1, 2, 3][: (4, 1, 3, 2)[k % 4]] if k % 5 else [3, 1] for k in range(14)]
+    caches = decode_passes_match_transformers(model, hf, pool, seqs, batches)
     assert max(c.length for c in caches) > 16 + 4  # past the window, over many blocks
     assert is_compiled(model) and compiled_graphs(model) == warmed  # no recompilation
 

@@ -20,7 +20,7 @@ from stage_server.kv_pool import KVPool
 from stage_server.loader import load_stage
 from stage_server.model import StepSlice
 from stagemesh.v1 import router_pb2
-from tests.conftest import collect, hf_greedy, splits, start_mesh
+from tests.conftest import collect, decode_passes_match_transformers, hf_greedy, splits, start_mesh
 from tests.test_exactness import prompt
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
@@ -53,29 +53,9 @@ def test_padded_decode_passes_match_transformers(tiny_models, device):
     assert len(graphed.captured) == len(graphed.batches) * len(graphed.widths)
     model.decode_graph = graphed
     seqs = [prompt(n, seed=80 + n) for n in (1, 5, 9, 17)]
-    caches = [pool.allocate(64) for _ in seqs]
-    steps, offset = [], 0
-    for cache, ids in zip(caches, seqs, strict=True):  # one eager prefill pass for all of them
-        pool.grow(cache, len(ids))
-        steps.append(StepSlice(cache, offset, 0, len(ids)))
-        offset += len(ids)
-    out = model(torch.tensor([t for ids in seqs for t in ids], device=device), steps)
-    for ids, row in zip(seqs, out, strict=True):
-        ids.append(int(row.argmax()))
-    for k in range(12):
-        batch = [[3, 0, 2], [1], [2, 3], [0, 1, 3]][k % 4]  # 3 rows: one padding row in the 4-row bucket
-        steps = []
-        for i, s in enumerate(batch):
-            pool.grow(caches[s], caches[s].length + 1)
-            steps.append(StepSlice(caches[s], i, caches[s].length, 1))
-        out = model(torch.tensor([seqs[s][-1] for s in batch], device=device), steps)  # one padded pass
-        assert out.shape[0] == len(batch)
-        with torch.inference_mode():
-            for s, row in zip(batch, out, strict=True):
-                ref = hf(torch.tensor([seqs[s]], device=device)).logits[0, -1]
-                torch.testing.assert_close(row, ref, atol=1e-4, rtol=0)
-                assert int(row.argmax()) == int(ref.argmax())
-                seqs[s].append(int(row.argmax()))
+    # passes of 3 rows carry one padding row in the 4-row bucket; each pass through the padded buffers
+    batches = [[[3, 0, 2], [1], [2, 3], [0, 1, 3]][k % 4] for k in range(12)]
+    caches = decode_passes_match_transformers(model, hf, pool, seqs, batches, device)
     assert max(c.length for c in caches) > 4 * pool.block_size  # past 4 blocks: the 8-block bucket was used
 
 
