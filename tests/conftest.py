@@ -134,9 +134,9 @@ def hf_models(tiny_models):
 def decode_passes_match_transformers(model: StageModel, hf, pool: KVPool, seqs: list[list[int]],
                                      batches: list[list[int]], device: str = "cpu") -> list[SessionCache]:
     """In process, no server: a session per prompt in seqs, prefilled together in one eager pass, then decoded in
-    one pass per batch (indices into seqs, in row order). Every step's logits within 1e-4 of transformers' forward
-    pass over its session's tokens, and the greedy token the same; each prompt grows by its tokens. Returns the
-    sessions' caches."""
+    one pass per batch (indices into seqs, in row order). Every prompt's and every step's logits within 1e-4 of
+    transformers' forward pass over its session's tokens, and each step's greedy token the same; each prompt grows
+    by its tokens. Returns the sessions' caches."""
     caches = [pool.allocate(64) for _ in seqs]
     steps, offset = [], 0
     for cache, ids in zip(caches, seqs, strict=True):
@@ -144,8 +144,10 @@ def decode_passes_match_transformers(model: StageModel, hf, pool: KVPool, seqs: 
         steps.append(StepSlice(cache, offset, 0, len(ids)))
         offset += len(ids)
     out = model(torch.tensor([t for ids in seqs for t in ids], device=device), steps)
-    for ids, row in zip(seqs, out, strict=True):
-        ids.append(int(row.argmax()))
+    with torch.inference_mode():
+        for ids, row in zip(seqs, out, strict=True):
+            torch.testing.assert_close(row, hf(torch.tensor([ids], device=device)).logits[0, -1], atol=1e-4, rtol=0)
+            ids.append(int(row.argmax()))
     for batch in batches:
         steps = []
         for i, s in enumerate(batch):

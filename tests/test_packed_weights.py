@@ -16,10 +16,18 @@ from torch import nn
 from stage_server import cpu_kernels, packed_weights, paged_attention
 from stage_server.kv_pool import KVPool
 from stage_server.loader import load_stage
-from stage_server.model import RMSNorm, StepSlice
+from stage_server.model import RMSNorm
 from stagemesh.tiny_model import make_tiny_model
 from stagemesh.v1 import router_pb2
-from tests.conftest import FAMILIES, collect, hf_greedy, splits, start_mesh, stepped_logits
+from tests.conftest import (
+    FAMILIES,
+    collect,
+    decode_passes_match_transformers,
+    hf_greedy,
+    splits,
+    start_mesh,
+    stepped_logits,
+)
 from tests.test_exactness import prompt
 
 if not cpu_kernels.load():
@@ -143,31 +151,9 @@ def test_batched_passes_with_packed_weights_match_transformers(tiny_models, hf_m
     assert all(isinstance(m, packed_weights.PackedLinear) for m in linears(model))
     a = model.args
     pool = KVPool(1 << 22, len(model.layers), a.num_kv_heads, a.head_dim, model.dtype, "cpu", block_size=4)
-    seqs = [prompt(n, seed=60 + n) for n in (1, 5, 9, 17)]
-    caches = [pool.allocate(64) for _ in seqs]
-    steps, offset = [], 0
-    for cache, ids in zip(caches, seqs, strict=True):
-        pool.grow(cache, len(ids))
-        steps.append(StepSlice(cache, offset, 0, len(ids)))
-        offset += len(ids)
-    out = model(torch.tensor([t for ids in seqs for t in ids]), steps)  # one prefill pass of 32 tokens
-    hf = hf_models[family]
-    with torch.inference_mode():
-        for ids, row in zip(seqs, out, strict=True):
-            torch.testing.assert_close(row, hf(torch.tensor([ids])).logits[0, -1], atol=1e-4, rtol=0)
-            ids.append(int(row.argmax()))
-        for k in range(12):
-            batch = [0, 1, 2, 3][: (4, 1, 3, 2)[k % 4]]
-            steps = []
-            for i, s in enumerate(batch):
-                pool.grow(caches[s], caches[s].length + 1)
-                steps.append(StepSlice(caches[s], i, caches[s].length, 1))
-            out = model(torch.tensor([seqs[s][-1] for s in batch]), steps)
-            for s, row in zip(batch, out, strict=True):
-                ref = hf(torch.tensor([seqs[s]])).logits[0, -1]
-                torch.testing.assert_close(row, ref, atol=1e-4, rtol=0)
-                assert int(row.argmax()) == int(ref.argmax())
-                seqs[s].append(int(row.argmax()))
+    seqs = [prompt(n, seed=60 + n) for n in (1, 5, 9, 17)]  # one prefill pass of 32 tokens
+    batches = [[0, 1, 2, 3][: (4, 1, 3, 2)[k % 4]] for k in range(12)]
+    decode_passes_match_transformers(model, hf_models[family], pool, seqs, batches)
 
 
 def test_only_float32_cpu_weights_are_packed(tiny_model):
