@@ -3,6 +3,7 @@
     python scripts/bench_floor.py            # all parts, ~8 min on 2 cores (the ~270M model is made if absent)
     python scripts/bench_floor.py --quick    # a smoke run: the wire, and the tiny chain without --compile (~1 min)
     python scripts/bench_floor.py --no-medium --no-compile
+    python scripts/bench_floor.py --no-medium --also-with=--no-fused-layers   # the tiny chain with and without
 
 1. The wire: each copy removed from the stage's side of a hop, timed alone, before and now, on a one-token
    hidden state at hidden 256 and 1024 and on a 256-token prefill chunk: encode (a message of its own, then
@@ -11,7 +12,8 @@
 2. Tiny Llama (hidden 256, 8 layers), a 2-stage chain of 1-thread stage processes driven through the router's
    Generate stream (bench.py's start_local_mesh and mesh_decode), against transformers' generate() in one
    process on 1 thread: decode ms/token and the ratio; with --compile off and on (--compile: each stage's decode
-   passes as one compiled graph, stage_server/compiled.py; its compilation shows in the cold start).
+   passes as one compiled graph, stage_server/compiled.py; its compilation shows in the cold start); --also-with
+   adds the chain once more with these stage flags (a side-by-side A/B).
 3. A per-step breakdown of each stage of that chain (stage_server/step_timing.py: the stage's own phase timers,
    read from Stage/Info before and after the decode runs): wire decode, batch assembly, model, sampling,
    encode; what the token costs beyond both stages' phases is gRPC, event loops, the router and the hops.
@@ -253,6 +255,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-medium", action="store_true", help="skip the ~270M model")
     p.add_argument("--no-compile", action="store_true", help="skip the tiny chain with --compile")
     p.add_argument("--medium-compile", action="store_true", help="the ~270M layouts with --compile too")
+    p.add_argument("--also-with", action="append", default=[], metavar="FLAG",
+                   help="the tiny chain once more with this stage flag (repeat for several flags in that one arm)")
     p.add_argument("--repeats", type=int, default=5, help="decode runs per system (medians)")
     p.add_argument("--tokens", type=int, default=128, help="tokens per decode run (tiny model; ~270M: a quarter)")
     p.add_argument("--out", type=Path, default=Path("bench-out"))
@@ -282,7 +286,7 @@ def main(argv: list[str] | None = None) -> None:
         print("\ntiny: transformers generate(), 1 thread", flush=True)
         hf = disturbed(notes, "tiny transformers", run_transformers, tiny, 1, plan, w, Path(tmp))
         chains = []
-        for extra in ([[]] if args.no_compile else [[], ["--compile"]]):
+        for extra in [[], *([args.also_with] if args.also_with else []), *([] if args.no_compile else [["--compile"]])]:
             print(f"tiny: 2-stage chain, 1 thread per stage {' '.join(extra)}", flush=True)
             chains.append(disturbed(notes, f"tiny chain {' '.join(extra)}".strip(), run_chain, tiny, 2, 1, plan, w,
                                     args.out / "logs" / f"floor-tiny{len(chains)}", extra))

@@ -6,6 +6,7 @@
     python scripts/bench_pass.py --attention kernel,gather   # both decode attentions, passes alternated
     python scripts/bench_pass.py --medium --pack --threads 2   # Linear weights packed, as a stage holds them
     python scripts/bench_pass.py --weights torch,panels,packed --sizes 1   # weight layouts side by side
+    python scripts/bench_pass.py --weights packed,layers --attention kernel   # a layer per call against op by op
 
 No gRPC, no router: the model's forward pass alone, with each session holding `--context` positions
 (prompts of different lengths around it, so the batch mixes lengths), one thread. Works with the
@@ -13,7 +14,9 @@ stage code before the paged pool (a whole cache per session) and after it (KVPoo
 the decode attentions to time side by side (kernel: the paged attention kernel, gather: SDPA over gathered K/V;
 trees before the kernel have only the gather). --weights names weight layouts to time side by side, a copy of
 the model each, passes alternated: torch (as loaded), panels (packed Linears, each RMSNorm apart), packed (as a
-CPU float32 stage holds them: panels, each RMSNorm inside the Linear after it).
+CPU float32 stage holds them: panels, each RMSNorm inside the Linear after it), layers (packed, and each layer of a
+decode pass in one call, as a CPU float32 stage runs it by default: stage_server/decode_layer.py; it needs the
+attention kernel, --attention kernel).
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ def main() -> None:
     p.add_argument("--pack", action="store_true", help="pack the Linear weights as a CPU float32 stage does "
                    "(stage_server/packed_weights.py; default: torch's layout, as trees before it have)")
     p.add_argument("--attention", default="", help="kernel,gather: time each, passes alternated (default: the tree's)")
-    p.add_argument("--weights", default="", help="torch,panels,packed: time each layout, passes alternated "
+    p.add_argument("--weights", default="", help="torch,panels,packed,layers: time each layout, passes alternated "
                    "(default: --pack's)")
     args = p.parse_args()
     sys.path.insert(0, str(args.code.resolve()))
@@ -57,15 +60,21 @@ def main() -> None:
     layouts = args.weights.split(",") if args.weights else ["packed" if args.pack else ""]
     models = {layout: load_stage(model_dir, 0, None) for layout in layouts}
     for layout, model in models.items():
-        if layout in ("panels", "packed"):
+        if layout in ("panels", "packed", "layers"):
             from stage_server import packed_weights
 
             if why := packed_weights.available(model):  # builds or loads the kernels
                 raise SystemExit(f"no packed weights here: {why}")
-            if layout == "packed":
-                packed_weights.pack(model)
-            else:
+            if layout == "panels":
                 packed_weights.replace_linears(model, packed_weights.PackedLinear)
+            else:
+                packed_weights.pack(model)
+        if layout == "layers":
+            from stage_server import decode_layer, paged_attention
+
+            paged_attention.attach(model)
+            if why := decode_layer.attach(model):
+                raise SystemExit(f"no layer per call here: {why}")
     model = models[layouts[0]]
     a = model.args
     attentions = {"": getattr(model, "decode_attention", None)}

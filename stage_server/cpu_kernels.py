@@ -1,6 +1,7 @@
 """stagemesh's CPU kernels, built on first use and loaded as torch ops: stagemesh::decode_attention
-(paged_attention.cpp: decode attention read where K/V lie in the paged pool) and stagemesh::packed_linear
-(packed_linear.cpp: float32 Linears over weights packed in panels, packed_weights.py).
+(paged_attention.cpp: decode attention read where K/V lie in the paged pool), stagemesh::packed_linear
+(packed_linear.cpp: float32 Linears over weights packed in panels, packed_weights.py) and stagemesh::decode_layer
+(decode_layer.cpp: a decoder layer's decode steps in one call over the other two, decode_layer.py).
 
 They are built with the host's C++ compiler against the installed torch, for the CPU's vector capability, into
 one library kept in a cache keyed by the sources, torch and the flags (built once per machine, ~20 s; a file
@@ -27,7 +28,8 @@ from torch.utils import cpp_extension
 
 log = logging.getLogger("stagemesh.stage")
 
-SOURCES = [Path(__file__).with_name("paged_attention.cpp"), Path(__file__).with_name("packed_linear.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "packed_linear.cpp", "decode_layer.cpp")]
+HEADERS = [Path(__file__).with_name("cpu_kernels.h")]
 BUILD_TIMEOUT_S = 600.0
 """A build that takes longer is given up (the stage runs torch's ops)."""
 VECTOR_FLAGS = {
@@ -65,7 +67,7 @@ def load() -> bool:
                             f"SDPA, and Linear weights stay in torch's layout")
             else:
                 how = f"built in {time.perf_counter() - t0:.1f}s" if built else "from the cache"
-                log.info(f"CPU kernels: paged attention, packed Linears ({how}: {path})")
+                log.info(f"CPU kernels: paged attention, packed Linears, decoder layers ({how}: {path})")
         return _loaded
 
 
@@ -92,7 +94,7 @@ def _build() -> tuple[Path, bool]:
     if compiler is None:
         raise FileNotFoundError("no C++ compiler on PATH (c++, or $CXX)")
     flags = _flags()
-    key = hashlib.sha256(b"\0".join([*(s.read_bytes() for s in SOURCES), torch.__version__.encode(),
+    key = hashlib.sha256(b"\0".join([*(s.read_bytes() for s in SOURCES + HEADERS), torch.__version__.encode(),
                                      " ".join(flags).encode(), compiler.encode()])).hexdigest()[:16]
     folder = _writable(cache_root()) / key
     folder.mkdir(parents=True, exist_ok=True)

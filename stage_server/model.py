@@ -186,6 +186,8 @@ class StageModel(nn.Module):
         # On the CPU, the kernel that attends decode steps over K/V in place (stage_server/paged_attention.py);
         # None: gathered for SDPA.
         self.decode_attention: DecodeAttention | None = None
+        # On the CPU in float32, a decode pass's layer in one call (stage_server/decode_layer.py); None: layer by op.
+        self.decode_layer: Callable[[DecoderLayer, torch.Tensor, PassPlan], torch.Tensor] | None = None
         self.tp_group = None  # rank 0 of a tensor-parallel stage: its TPGroup (stage_server/tensor_parallel.py)
 
     # Read from a norm weight: Linear layers may be quantized (stage_server/quantize.py).
@@ -229,8 +231,10 @@ class StageModel(nn.Module):
         rope = self.rope(max(st.start + st.length for st in steps), x.dtype)
         # Rotary rows, slots, gather indices and masks: made once per pass, used by every layer.
         plan = plan_pass(steps, steps[0].cache.pool, rope, x.device, self.decode_attention)
+        fused = self.decode_layer if plan.in_order and len(steps) == x.shape[0] and plan.groups[0].table is not None \
+            else None  # decode steps only, attended in place by the kernel
         for layer in self.layers:
-            x = layer(x, plan)
+            x = layer(x, plan) if fused is None else fused(layer, x, plan)
         for st in steps:
             st.cache.length = st.start + st.length
         if not self.is_last:

@@ -24,6 +24,8 @@
 #include <cstring>
 #include <optional>
 
+#include "cpu_kernels.h"
+
 namespace {
 
 constexpr int64_t kPanel = 16;  // output columns per panel: two 8-float vectors
@@ -146,6 +148,10 @@ at::Tensor rms_normalized(const at::Tensor& x, const at::Tensor& weight, double 
   return out;
 }
 
+}  // namespace
+
+namespace stagemesh {
+
 at::Tensor packed_linear(const at::Tensor& x_in, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
                          int64_t out_features, const std::optional<at::Tensor>& norm_weight, double eps) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.is_contiguous(),
@@ -178,11 +184,11 @@ at::Tensor packed_linear(const at::Tensor& x_in, const at::Tensor& panels, const
   return y;
 }
 
-}  // namespace
+}  // namespace stagemesh
 
 TORCH_LIBRARY_FRAGMENT(stagemesh, m) {
   m.def("packed_linear(Tensor x, Tensor panels, Tensor? bias, int out_features, Tensor? norm_weight=None, "
         "float eps=0.0) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(stagemesh, CPU, m) { m.impl("packed_linear", &packed_linear); }
+TORCH_LIBRARY_IMPL(stagemesh, CPU, m) { m.impl("packed_linear", &stagemesh::packed_linear); }

@@ -18,6 +18,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_kernels.h"
+
 namespace {
 
 // e^x for x <= 0 (a score less its row's largest): 2^(x log2 e) = 2^n 2^f, f in [-0.5, 0.5], 2^f by its Taylor
@@ -117,6 +119,10 @@ void decode_attention_kernel(const T* q, const T* k, const T* v, const int64_t* 
   });
 }
 
+}  // namespace
+
+namespace stagemesh {
+
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& table,
                             const at::Tensor& ends, int64_t block_size, int64_t window, double scale) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes(), "q must be [B, H, D], k and v [slots, kvH, D]");
@@ -153,11 +159,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   return out;
 }
 
-}  // namespace
+}  // namespace stagemesh
 
 TORCH_LIBRARY_FRAGMENT(stagemesh, m) {
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor table, Tensor ends, int block_size, int window, "
         "float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(stagemesh, CPU, m) { m.impl("decode_attention", &decode_attention); }
+TORCH_LIBRARY_IMPL(stagemesh, CPU, m) { m.impl("decode_attention", &stagemesh::decode_attention); }

@@ -16,7 +16,7 @@ import psutil
 import torch
 from grpc_health.v1 import health_pb2
 
-from stage_server import packed_weights, paged_attention
+from stage_server import decode_layer, packed_weights, paged_attention
 from stage_server.batcher import StepBatcher
 from stage_server.compiled import compile_stage, compiled_graphs, is_compiled, warm_up_decode
 from stage_server.config import StageConfig, max_step_bytes, split_host_port
@@ -253,6 +253,9 @@ class StageServer:
                 log.info(f"Linear weights packed in panels for stagemesh's kernel: {packed / 2**20:.0f} MiB")
             else:
                 log.info(f"Linear weights in torch's layout: {why}")
+        if self.config.fused_layers:
+            why = decode_layer.attach(model)
+            log.info("decode passes: a layer per call" if why is None else f"decode passes op by op: {why}")
         if self.config.compile:
             compile_stage(model)  # compiles in the warm-up, before SERVING
         if self.config.preload:

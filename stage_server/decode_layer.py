@@ -1,0 +1,54 @@
+"""A decoder layer's decode steps in one call, on the CPU in float32: the op stagemesh::decode_layer of
+decode_layer.cpp, next to this file (built by cpu_kernels.py with the kernels it calls).
+
+Eager PyTorch spends ~25 calls through Python and the dispatcher on one layer of a decode pass; on the tiny
+model they cost more than the layer's arithmetic, and more again in a mesh, where gRPC, the event loop and the
+other processes run between two steps and leave the caches cold (README, "One call per layer"). The op does
+the same math with the same kernels: the packed Linears with their norms inside (packed_weights.py), rotary
+embedding, the K/V writes, attention in place in the pool (paged_attention.py), the residual adds and
+silu(gate) * up. Prefill chunks and mixed passes keep the layer's own forward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from stage_server import cpu_kernels
+from stage_server.model import DecoderLayer, StageModel
+from stage_server.packed_weights import PackedLinear
+from stage_server.pass_plan import PassPlan
+
+
+def available(model: StageModel) -> str | None:
+    """Why this model's decode passes cannot run a layer per call (None: they can)."""
+    if model.decode_attention is None:
+        return "decode steps attend by SDPA, not the paged attention kernel"
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if not all(isinstance(m, PackedLinear) for m in linears):
+            return "the Linear weights are not packed"
+        if attn.qkv_proj.norm_weight is None or mlp.gate_up_proj.norm_weight is None:
+            return "the layer norms are not inside the packed Linears"
+    if not cpu_kernels.load():
+        return "the CPU kernels could not be built here (logged above)"
+    return None
+
+
+def attach(model: StageModel) -> str | None:
+    """The model's decode passes run each layer in one call from now on, where they can; returns why not."""
+    why = available(model)
+    model.decode_layer = run if why is None else None
+    return why
+
+
+def run(layer: DecoderLayer, x: torch.Tensor, plan: PassPlan) -> torch.Tensor:
+    """The layer over a pass of decode steps only, in the pass's order (plan.in_order, one paged group)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    group, pool = plan.groups[0], plan.pool
+    return torch.ops.stagemesh.decode_layer(
+        x.contiguous(), attn.qkv_proj.panels, attn.qkv_proj.bias, attn.qkv_proj.norm_weight, attn.qkv_proj.eps,
+        attn.o_proj.panels, attn.o_proj.bias, mlp.gate_up_proj.panels, mlp.gate_up_proj.bias,
+        mlp.gate_up_proj.norm_weight, mlp.gate_up_proj.eps, mlp.down_proj.panels, mlp.down_proj.bias,
+        plan.cos, plan.sin, plan.slots, pool.k[attn.slot], pool.v[attn.slot], group.table, group.ends,
+        pool.block_size, attn.window or 0, attn.args.num_heads, attn.args.head_dim**-0.5)

@@ -1,0 +1,158 @@
+"""A decoder layer's decode steps in one call (on by default on the CPU in float32: stage_server/decode_layer.py,
+decode_layer.cpp). Exact as before: every decode pass's logits within 1e-4 of transformers and greedy tokens the
+same, for every family (qwen2's q/k/v biases, a sliding window), in one stage and split; the layer's output within
+float32 rounding of the layer op by op, and the K/V it writes bit for bit theirs; prefill chunks and mixed passes
+stay op by op; a slot outside the pool is refused before anything is written."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from stage_server import cpu_kernels, decode_layer, packed_weights, paged_attention
+from stage_server.kv_pool import KVPool
+from stage_server.loader import load_stage
+from stage_server.model import StepSlice
+from stagemesh.tiny_model import make_tiny_model
+from stagemesh.v1 import router_pb2
+from tests.conftest import collect, decode_passes_match_transformers, hf_greedy, splits, start_mesh
+from tests.test_exactness import prompt
+
+if not cpu_kernels.load():
+    pytest.skip("the CPU kernels could not be built here (tests/test_paged_attention.py says why)",
+                allow_module_level=True)
+
+MODELS = ("llama", "windowed-mistral", "qwen2")
+
+
+@pytest.fixture(scope="module")
+def layer_models(tmp_path_factory):
+    """Tiny models of 3 layers; Mistral's with an 8-position sliding window (the sessions below run past it)."""
+    root = tmp_path_factory.mktemp("layer-models")
+    return {"llama": make_tiny_model(root / "llama", "llama", layers=3, seed=7),
+            "windowed-mistral": make_tiny_model(root / "mistral", "mistral", layers=3, sliding_window=8, seed=7),
+            "qwen2": make_tiny_model(root / "qwen2", "qwen2", layers=3, seed=7)}
+
+
+def fused_model(path, start=0, end=None):
+    """A CPU float32 stage as a stage server makes it: the attention kernel, packed weights, a layer per call."""
+    model = load_stage(path, start, end)
+    paged_attention.attach(model)
+    packed_weights.pack(model)
+    assert decode_layer.attach(model) is None
+    return model
+
+
+def counting(model) -> list[int]:
+    """Counts the model's calls of its one-call layer from now on: [calls]."""
+    calls, run = [0], model.decode_layer
+
+    def counted(layer, x, plan):
+        calls[0] += 1
+        return run(layer, x, plan)
+
+    model.decode_layer = counted
+    return calls
+
+
+@pytest.mark.parametrize("family", MODELS)
+def test_decode_passes_a_layer_per_call_match_transformers(layer_models, family):
+    """The whole model in one stage, in process: four sessions prefilled in one pass (op by op), then decoded in
+    passes of 1 to 4 of them, each layer of each pass in one call. Every step's logits within 1e-4 of
+    transformers' forward pass and greedy tokens the same, with NaN in every pool slot not yet written."""
+    path = layer_models[family]
+    model = fused_model(path)
+    calls = counting(model)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    a = model.args
+    pool = KVPool(1 << 22, len(model.layers), a.num_kv_heads, a.head_dim, model.dtype, "cpu", block_size=4)
+    pool.k[:, pool.block_size:] = float("nan")
+    pool.v[:, pool.block_size:] = float("nan")
+    seqs = [prompt(n, seed=60 + n) for n in (1, 5, 9, 17)]
+    batches = [[0, 1, 2, 3][: (4, 1, 3, 2)[k % 4]] if k % 5 else [3, 1] for k in range(14)]
+    caches = decode_passes_match_transformers(model, hf, pool, seqs, batches)
+    assert max(c.length for c in caches) > 20  # far past the 8-position window, over many blocks
+    assert calls[0] == len(batches) * len(model.layers)  # every decode pass, every layer; the prefill op by op
+
+
+@pytest.mark.parametrize("family", MODELS)
+def test_a_layer_per_call_is_the_layer_op_by_op(layer_models, family):
+    """A split's middle stage (hidden states in and out), the same decode pass of 1 to 5 sessions run both ways on
+    two copies of one pool: outputs within float32 rounding (1e-5), and the K/V each step wrote bit for bit the
+    same (rotary embedding rounds as torch's ops do)."""
+    model = fused_model(layer_models[family], 1, 2)
+    one_call = model.decode_layer
+    a = model.args
+    torch.manual_seed(5)
+    for sessions in (1, 2, 5):
+        pool = KVPool(1 << 22, len(model.layers), a.num_kv_heads, a.head_dim, model.dtype, "cpu", block_size=4)
+        pool.k.zero_()  # torch.empty's memory may hold NaN, which no two copies of equal
+        pool.v.zero_()
+        caches = [pool.allocate(64) for _ in range(sessions)]
+        for i, cache in enumerate(caches):  # prefilled op by op
+            n = 3 + 7 * i
+            pool.grow(cache, n)
+            model(torch.randn(n, a.hidden_size), [StepSlice(cache, 0, 0, n)])
+        for cache in caches:
+            pool.grow(cache, cache.length + 1)
+        x = torch.randn(sessions, a.hidden_size)
+        starts = [c.length for c in caches]
+        outputs, pools = [], []
+        for run in (None, one_call):
+            model.decode_layer = run
+            for cache, start in zip(caches, starts, strict=True):
+                cache.length = start
+            outputs.append(model(x, [StepSlice(c, i, c.length, 1) for i, c in enumerate(caches)]))
+            pools.append((pool.k.clone(), pool.v.clone()))
+        torch.testing.assert_close(outputs[1], outputs[0], atol=1e-5, rtol=1e-5)
+        assert torch.equal(pools[1][0], pools[0][0]) and torch.equal(pools[1][1], pools[0][1])
+
+
+def test_a_slot_outside_the_pool_is_refused_before_anything_is_written(layer_models):
+    """The op checks where it will write: a step whose slot lies past the pool's end fails with the reason, and
+    the pool is as it was."""
+    model = fused_model(layer_models["llama"], 0, 1)
+    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+    a = model.args
+    pool = KVPool(1 << 20, 1, a.num_kv_heads, a.head_dim, model.dtype, "cpu", block_size=4)
+    pool.k.zero_()
+    pool.v.zero_()
+    cos, sin = model.rope(8, torch.float32)
+    with pytest.raises(RuntimeError, match="is not in the pool"):
+        torch.ops.stagemesh.decode_layer(
+            torch.randn(1, a.hidden_size), attn.qkv_proj.panels, None, attn.qkv_proj.norm_weight, 1e-6,
+            attn.o_proj.panels, None, mlp.gate_up_proj.panels, None, mlp.gate_up_proj.norm_weight, 1e-6,
+            mlp.down_proj.panels, None, cos[:1].contiguous(), sin[:1].contiguous(), torch.tensor([pool.k.shape[1]]),
+            pool.k[0], pool.v[0], torch.tensor([[1]]), torch.tensor([1]), pool.block_size, 0, a.num_heads, 0.1)
+    assert not pool.k.any() and not pool.v.any()
+
+
+def test_what_cannot_run_a_layer_per_call_says_why(layer_models):
+    """Without the attention kernel, or with torch's Linears, decode passes stay op by op, and attach says why."""
+    unpacked = load_stage(layer_models["llama"], 0, None)
+    paged_attention.attach(unpacked)
+    assert "not packed" in decode_layer.attach(unpacked) and unpacked.decode_layer is None
+    no_kernel = load_stage(layer_models["llama"], 0, None)
+    packed_weights.pack(no_kernel)
+    assert "SDPA" in decode_layer.attach(no_kernel) and no_kernel.decode_layer is None
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["a-layer-per-call", "op-by-op"])
+async def test_a_served_split_is_exact_either_way(layer_models, fused):
+    """A 2-stage split over gRPC, with the one-call layers (the default) and with --no-fused-layers: 6 concurrent
+    streams equal transformers' generate() (qwen2: biases in q/k/v)."""
+    path = layer_models["qwen2"]
+    mesh = await start_mesh(path, [splits(1, 2)], stage_options={"fused_layers": fused})
+    try:
+        assert all((s.model.decode_layer is not None) == fused for s in mesh.all_stages())
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        prompts = [prompt(5 + 9 * i, seed=500 + i) for i in range(6)]
+        expected = [hf_greedy(hf, p, 20) for p in prompts]
+        results = await asyncio.gather(*(collect(mesh.router_stub.Generate(
+            router_pb2.GenerateRequest(token_ids=p, max_new_tokens=20))) for p in prompts))
+        assert [r[0] for r in results] == expected
+    finally:
+        await mesh.stop()
