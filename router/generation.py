@@ -145,30 +145,42 @@ async def generate(
                 # Everything the chain has not seen yet: the prompt at first (after a failover the
                 # prompt plus all tokens so far) past what its stages had cached, then one token per decode step.
                 feed = history[session.position:]
-                while True:
-                    try:
-                        result = await session.step(feed, sampling=sampling, chunk_size=chunk)
-                    except grpc.aio.AioRpcError as exc:  # one stage failed: repaired if it can be, else replayed
-                        if failures >= config.max_failovers or exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                            raise
-                        result = await repairs.step(session, req.prompt_ids + generated, chunk, exc)
-                        if result is None:
-                            raise
-                        failures += 1
-                    token = result.token_id
-                    generated.append(token)
-                    feed = [token]
-                    if token in eos_ids:
-                        yield Piece([token], text.flush(), "eos", session.attached)
-                        return
-                    new_text = text.add([token])
-                    if text.stopped:
-                        yield Piece([token], new_text, "stop", session.attached)
-                        return
-                    if len(generated) >= req.max_new_tokens:
-                        yield Piece([token], new_text + text.flush(), "length", session.attached)
-                        return
-                    yield Piece([token], new_text)
+                ahead: asyncio.Task | None = None  # the next step, sent before the caller's copy of this token
+                try:
+                    while True:
+                        try:
+                            result = await (ahead or session.step(feed, sampling=sampling, chunk_size=chunk))
+                        except grpc.aio.AioRpcError as exc:  # one stage failed: repaired if it can be, else replayed
+                            if failures >= config.max_failovers or exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                                raise
+                            result = await repairs.step(session, req.prompt_ids + generated, chunk, exc)
+                            if result is None:
+                                raise
+                            failures += 1
+                        ahead = None
+                        token = result.token_id
+                        generated.append(token)
+                        feed = [token]
+                        if token in eos_ids:
+                            yield Piece([token], text.flush(), "eos", session.attached)
+                            return
+                        more = len(generated) < req.max_new_tokens
+                        if more and not text.stop:  # no stop string: the text cannot end the stream
+                            ahead = asyncio.create_task(session.step(feed, sampling=sampling, chunk_size=chunk))
+                        new_text = text.add([token])
+                        if text.stopped:
+                            yield Piece([token], new_text, "stop", session.attached)
+                            return
+                        if not more:
+                            yield Piece([token], new_text + text.flush(), "length", session.attached)
+                            return
+                        if ahead is None:
+                            ahead = asyncio.create_task(session.step(feed, sampling=sampling, chunk_size=chunk))
+                        yield Piece([token], new_text)
+                finally:
+                    if ahead is not None:  # the caller left while the next step was on its way
+                        ahead.cancel()
+                        ahead.add_done_callback(_retrieved)
         except grpc.aio.AioRpcError as exc:
             code, last_error = exc.code(), f"{exc.code().name}: {exc.details()}"
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -192,6 +204,12 @@ async def generate(
             )
         finally:
             chains.release(chain)
+
+
+def _retrieved(task: asyncio.Task) -> None:
+    """A step nobody waits for any more: its failure, if it had one, is read (asyncio would log it)."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _give_up(code: grpc.StatusCode, failures: int, last_error: str) -> StatusError:

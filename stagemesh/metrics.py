@@ -29,7 +29,7 @@ USABLE_CHAINS = Gauge("stagemesh_router_usable_chains", "Chains whose stages all
 TOKEN_TURNAROUND = Histogram(
     "stagemesh_router_token_turnaround_seconds",
     "The router's share of a decode step: from the last stage's token read to the next step written to the first "
-    "stage (the caller's copy of the token is sent in between)", buckets=OVERHEAD_BUCKETS)
+    "stage (the caller's copy of the token is sent after it)", buckets=OVERHEAD_BUCKETS)
 FAILOVERS = Counter("stagemesh_router_failovers_total", "Streams moved to another chain after a stage failed")
 REPAIRS = Counter("stagemesh_router_repairs_total",
                   "Streams kept on their chain after a stage failed, another stage taking its place (rebuilt alone)")
