@@ -124,18 +124,21 @@ class RouterService(router_pb2_grpc.RouterServicer):
         log.info(f"generate: {len(req.prompt_ids)} prompt tokens, up to {req.max_new_tokens} new, "
                  f"priority {req.priority}", extra=extra)
         try:
-            async for piece in generate(req, self.chains, self.tokenizer, self.eos_ids, self.config):
-                if first:
-                    metrics.TIME_TO_FIRST_TOKEN.labels(cls).observe(time.perf_counter() - arrived)
-                    first = False
-                metrics.TOKENS.inc(len(piece.token_ids))
-                yield router_pb2.GenerateResponse(
-                    token_ids=piece.token_ids,
-                    text=piece.text,
-                    finish_reason=FINISH.get(piece.finish_reason, router_pb2.FINISH_REASON_UNSPECIFIED),
-                    request_id=req.request_id,
-                    cached_tokens=piece.cached_tokens,
-                )
+            # Closed here, not when the collector gets to it: a stream's next step is on its way as it yields.
+            async with contextlib.aclosing(generate(req, self.chains, self.tokenizer, self.eos_ids,
+                                                    self.config)) as pieces:
+                async for piece in pieces:
+                    if first:
+                        metrics.TIME_TO_FIRST_TOKEN.labels(cls).observe(time.perf_counter() - arrived)
+                        first = False
+                    metrics.TOKENS.inc(len(piece.token_ids))
+                    yield router_pb2.GenerateResponse(
+                        token_ids=piece.token_ids,
+                        text=piece.text,
+                        finish_reason=FINISH.get(piece.finish_reason, router_pb2.FINISH_REASON_UNSPECIFIED),
+                        request_id=req.request_id,
+                        cached_tokens=piece.cached_tokens,
+                    )
             status = "OK"
         except NoUsableChain as exc:
             log.warning(str(exc), extra=extra)

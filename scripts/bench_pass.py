@@ -72,6 +72,8 @@ def main() -> None:
         if layout == "layers":
             from stage_server import decode_layer, paged_attention
 
+            if args.attention != "kernel":  # the layer calls the kernel: the other arms must attend by it too
+                raise SystemExit("--weights ...,layers needs --attention kernel")
             paged_attention.attach(model)
             if why := decode_layer.attach(model):
                 raise SystemExit(f"no layer per call here: {why}")

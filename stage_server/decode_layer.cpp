@@ -62,7 +62,7 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& qkv, const std::o
   TORCH_CHECK(k_pool.dim() == 3 && v_pool.sizes() == k_pool.sizes(), "k_pool and v_pool must be [slots, kvH, D]");
   const int64_t B = x.size(0), hidden = x.size(1), H = heads, kvH = k_pool.size(1), D = k_pool.size(2);
   const int64_t I = down.size(1);  // the MLP's intermediate size: the down projection's inputs
-  TORCH_CHECK(H >= 1 && H % kvH == 0 && D % 2 == 0, "heads must be a multiple of the pool's kv heads, D even");
+  TORCH_CHECK(H >= 1 && kvH >= 1 && H % kvH == 0 && D % 2 == 0, "heads must be a multiple of the pool's kv heads, D even");
   TORCH_CHECK(cos.numel() == B * D && sin.numel() == B * D, "cos and sin must hold a row of ", D, " per step");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == B,
               "slots must be [B] int64");

@@ -21,6 +21,10 @@ from stage_server.pass_plan import PassPlan
 
 def available(model: StageModel) -> str | None:
     """Why this model's decode passes cannot run a layer per call (None: they can)."""
+    if model.device.type != "cpu" or model.dtype != torch.float32:
+        return "not a CPU float32 stage"
+    if model.tp_group is not None:
+        return "a tensor-parallel stage (its layers all-reduce between their ops)"
     if model.decode_attention is None:
         return "decode steps attend by SDPA, not the paged attention kernel"
     for layer in model.layers:

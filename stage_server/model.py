@@ -231,8 +231,8 @@ class StageModel(nn.Module):
         rope = self.rope(max(st.start + st.length for st in steps), x.dtype)
         # Rotary rows, slots, gather indices and masks: made once per pass, used by every layer.
         plan = plan_pass(steps, steps[0].cache.pool, rope, x.device, self.decode_attention)
-        fused = self.decode_layer if plan.in_order and len(steps) == x.shape[0] and plan.groups[0].table is not None \
-            else None  # decode steps only, attended in place by the kernel
+        decode_only = plan.in_order and len(steps) == x.shape[0] and plan.groups[0].table is not None  # by the kernel
+        fused = self.decode_layer if decode_only else None
         for layer in self.layers:
             x = layer(x, plan) if fused is None else fused(layer, x, plan)
         for st in steps:

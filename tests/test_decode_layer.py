@@ -80,9 +80,9 @@ def test_decode_passes_a_layer_per_call_match_transformers(layer_models, family)
 
 @pytest.mark.parametrize("family", MODELS)
 def test_a_layer_per_call_is_the_layer_op_by_op(layer_models, family):
-    """A split's middle stage (hidden states in and out), the same decode pass of 1 to 5 sessions run both ways on
-    two copies of one pool: outputs within float32 rounding (1e-5), and the K/V each step wrote bit for bit the
-    same (rotary embedding rounds as torch's ops do)."""
+    """A split's middle stage (hidden states in and out), the same decode pass of 1 to 5 sessions run both ways,
+    each from the same pool contents: outputs within float32 rounding (1e-5), and the K/V each step wrote bit for
+    bit the same (rotary embedding rounds as torch's ops do)."""
     model = fused_model(layer_models[family], 1, 2)
     one_call = model.decode_layer
     a = model.args
@@ -100,13 +100,17 @@ def test_a_layer_per_call_is_the_layer_op_by_op(layer_models, family):
             pool.grow(cache, cache.length + 1)
         x = torch.randn(sessions, a.hidden_size)
         starts = [c.length for c in caches]
+        before = pool.k.clone(), pool.v.clone()
         outputs, pools = [], []
         for run in (None, one_call):
             model.decode_layer = run
+            pool.k.copy_(before[0])  # each run writes its own K/V into the pool as it was
+            pool.v.copy_(before[1])
             for cache, start in zip(caches, starts, strict=True):
                 cache.length = start
             outputs.append(model(x, [StepSlice(c, i, c.length, 1) for i, c in enumerate(caches)]))
             pools.append((pool.k.clone(), pool.v.clone()))
+        assert not torch.equal(pools[0][0], before[0])  # the step wrote K
         torch.testing.assert_close(outputs[1], outputs[0], atol=1e-5, rtol=1e-5)
         assert torch.equal(pools[1][0], pools[0][0]) and torch.equal(pools[1][1], pools[0][1])
 

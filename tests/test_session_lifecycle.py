@@ -49,7 +49,8 @@ async def test_cancelled_stream_frees_its_sessions(mesh):
 async def test_callers_that_leave_while_their_next_step_is_on_its_way_leave_nothing_behind(mesh, caplog):
     """The router sends a stream's next step before the caller's copy of its token (router/generation.py), so a
     caller that leaves always leaves a step in flight: six callers leaving after 1 to 16 tokens leave no session
-    open on any stage, and no step whose failure nobody read in the router's log."""
+    open on any stage, no step still running in the router (the mesh's router shares this event loop), and no step
+    whose failure nobody read in its log."""
     calls = [mesh.router_stub.Generate(router_pb2.GenerateRequest(token_ids=[9, i, 3], max_new_tokens=500))
              for i in range(6)]
 
@@ -64,6 +65,8 @@ async def test_callers_that_leave_while_their_next_step_is_on_its_way_leave_noth
     with caplog.at_level(logging.ERROR, logger="asyncio"):
         await asyncio.gather(*(leave_after(call, 1 + 3 * i) for i, call in enumerate(calls)))
         assert [i.open_sessions for i in await mesh.settled_infos()] == [0, 0]
+        steps = [t for t in asyncio.all_tasks() if t.get_coro().__qualname__.endswith("Session.step")]
+        assert steps == []
         gc.collect()
         await asyncio.sleep(0.1)
     assert not [r for r in caplog.records if r.name == "asyncio"], caplog.text
