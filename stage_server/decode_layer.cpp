@@ -62,7 +62,8 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& qkv, const std::o
   TORCH_CHECK(k_pool.dim() == 3 && v_pool.sizes() == k_pool.sizes(), "k_pool and v_pool must be [slots, kvH, D]");
   const int64_t B = x.size(0), hidden = x.size(1), H = heads, kvH = k_pool.size(1), D = k_pool.size(2);
   const int64_t I = down.size(1);  // the MLP's intermediate size: the down projection's inputs
-  TORCH_CHECK(H >= 1 && kvH >= 1 && H % kvH == 0 && D % 2 == 0, "heads must be a multiple of the pool's kv heads, D even");
+  TORCH_CHECK(H >= 1 && kvH >= 1 && H % kvH == 0 && D % 2 == 0,
+              "heads must be a multiple of the pool's kv heads, D even");
   TORCH_CHECK(cos.numel() == B * D && sin.numel() == B * D, "cos and sin must hold a row of ", D, " per step");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == B,
               "slots must be [B] int64");
@@ -77,10 +78,12 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& qkv, const std::o
   float* qp = q.data_ptr<float>();
   float* kp = k_pool.data_ptr<float>();
   float* vp = v_pool.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
   for (int64_t b = 0; b < B; ++b) {
     const float* row = r + b * width;
-    const float* c = cos.data_ptr<float>() + b * D;
-    const float* s = sin.data_ptr<float>() + b * D;
+    const float* c = cp + b * D;
+    const float* s = sp + b * D;
     for (int64_t h = 0; h < H; ++h) rope_row(row + h * D, c, s, qp + (b * H + h) * D, D);
     for (int64_t h = 0; h < kvH; ++h) rope_row(row + (H + h) * D, c, s, kp + (sl[b] * kvH + h) * D, D);
     std::memcpy(vp + sl[b] * kvH * D, row + (H + kvH) * D, kvH * D * sizeof(float));
