@@ -352,8 +352,17 @@ class ChainSession:
         (the next token). With chunk_size > 0 a long input flows through the chain in chunks,
         stage i working on chunk k while stage i-1 works on chunk k+1."""
         self.failed_stage = None
-        response = await self._step(token_ids, sampling, chunk_size, return_logits)
-        self.position += len(token_ids)
+        return self._advance(len(token_ids), await self._step(token_ids, sampling, chunk_size, return_logits))
+
+    def step_ahead(self, token_ids: list[int], *, sampling: Sampling, chunk_size: int = 0) -> asyncio.Future:
+        """step(), started now and awaited later (the router's next decode step, before the caller's copy of
+        this token). Here it is a task, which starts at the event loop's next turn; a forwarding session queues
+        the step's messages before it returns."""
+        return asyncio.ensure_future(self.step(token_ids, sampling=sampling, chunk_size=chunk_size))
+
+    def _advance(self, tokens: int, response: stage_pb2.ForwardResponse) -> StepResult:
+        """A step's answer: every stage now holds its tokens."""
+        self.position += tokens
         self.reached = [self.position] * len(self.chain.stages)
         self._token_read_at = time.perf_counter()
         return StepResult.from_pb(response)

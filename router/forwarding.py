@@ -15,7 +15,7 @@ import time
 
 import grpc
 
-from router.chain_client import ChainSession, Sampling
+from router.chain_client import ChainSession, Sampling, StepResult
 from router.session_mux import StageMux, mux_of
 from router.stage_faults import stage_error
 from stagemesh import metrics, tracing
@@ -91,9 +91,23 @@ class ForwardingSession(ChainSession):
             mux.close(self.session_id)
         self._muxes = []
 
+    def step_ahead(self, token_ids: list[int], *, sampling: Sampling, chunk_size: int = 0) -> asyncio.Future:
+        """The step's messages queued on the first stage's stream now (its writer sends them at the event
+        loop's next turn); the answer is a task's."""
+        self.failed_stage = None
+        self._send(token_ids, sampling, chunk_size, False)
+        return asyncio.ensure_future(self._answer(len(token_ids)))
+
+    async def _answer(self, tokens: int) -> StepResult:
+        return self._advance(tokens, await self._receive(tokens))
+
     async def _step(self, token_ids: list[int], sampling: Sampling, chunk_size: int,
                     return_logits: bool) -> stage_pb2.ForwardResponse:
-        first, last = self._muxes[0], len(self._muxes) - 1
+        self._send(token_ids, sampling, chunk_size, return_logits)
+        return await self._receive(len(token_ids))
+
+    def _send(self, token_ids: list[int], sampling: Sampling, chunk_size: int, return_logits: bool) -> None:
+        first = self._muxes[0]
         size = chunk_size if chunk_size and len(token_ids) > chunk_size else len(token_ids)
         # Every chunk at once: the first stage computes chunk k + 1 while the next computes chunk k.
         for k in range(0, len(token_ids), size):
@@ -107,7 +121,11 @@ class ForwardingSession(ChainSession):
         if self._token_read_at is not None:
             metrics.TOKEN_TURNAROUND.observe(time.perf_counter() - self._token_read_at)
             self._token_read_at = None
-        limit, timeout = self.progress.timeout(self.chain, len(token_ids)), self._timeout()
+
+    async def _receive(self, tokens: int) -> stage_pb2.ForwardResponse:
+        """The last stage's answer to the step sent, or the first fault heard on the way."""
+        last = len(self._muxes) - 1
+        limit, timeout = self.progress.timeout(self.chain, tokens), self._timeout()
         try:
             async with asyncio.timeout(limit if timeout is None else min(limit, timeout)):  # one timer for the step
                 while True:
@@ -124,7 +142,7 @@ class ForwardingSession(ChainSession):
             labels = ", ".join(s.address for s in self.chain.stages)
             raise grpc.aio.AioRpcError(
                 grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                details=f"chain {labels}: no token in {limit:.1f}s for a {len(token_ids)}-token step: "
+                details=f"chain {labels}: no token in {limit:.1f}s for a {tokens}-token step: "
                         "a stage on the way is hung, or a link is cut") from None
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from router.chain_client import Progress, Sampling
+from router.chain_client import ChainSession, Progress, Sampling
 from router.chains import ChainSet, NoUsableChain
 from router.detokenizer import IncrementalText
 from router.forwarding import session_class
@@ -111,6 +111,20 @@ class GenerationConfig:
             raise refused(self, "max_full_wait_s", "must be >= 0 seconds (0: refuse at once when every chain is full)")
 
 
+async def step_ahead(session: ChainSession, feed: list[int], sampling: Sampling, chunk: int) -> asyncio.Future:
+    """The next step on its way before this token goes to the caller: its messages queued, then one turn of the
+    event loop, in which the stream's writer sends them (detokenizing and the caller's copy would otherwise come
+    first: ~0.3 ms of a 3 ms token on the tiny chain, measured)."""
+    ahead = session.step_ahead(feed, sampling=sampling, chunk_size=chunk)
+    try:
+        await asyncio.sleep(0)
+    except asyncio.CancelledError:
+        ahead.cancel()
+        ahead.add_done_callback(_retrieved)
+        raise
+    return ahead
+
+
 async def generate(
     req: GenerationRequest, chains: ChainSet, tokenizer, eos_ids: frozenset[int], config: GenerationConfig
 ) -> AsyncIterator[Piece]:
@@ -166,7 +180,7 @@ async def generate(
                             return
                         more = len(generated) < req.max_new_tokens
                         if more and not text.stop:  # no stop string: the text cannot end the stream
-                            ahead = asyncio.create_task(session.step(feed, sampling=sampling, chunk_size=chunk))
+                            ahead = await step_ahead(session, feed, sampling, chunk)
                         new_text = text.add([token])
                         if text.stopped:
                             yield Piece([token], new_text, "stop", session.attached)
@@ -175,7 +189,7 @@ async def generate(
                             yield Piece([token], new_text + text.flush(), "length", session.attached)
                             return
                         if ahead is None:
-                            ahead = asyncio.create_task(session.step(feed, sampling=sampling, chunk_size=chunk))
+                            ahead = await step_ahead(session, feed, sampling, chunk)
                         yield Piece([token], new_text)
                 finally:
                     if ahead is not None:  # the caller left while the next step was on its way

@@ -98,8 +98,8 @@ class StageMux:
         loop, written_at = asyncio.get_running_loop(), 0.0
         while True:
             await self._wake.wait()
-            if loop.time() - written_at < grpc_server.BUSY_STREAM_WAIT_S:  # busy: more steps join this message
-                await asyncio.sleep(grpc_server.BUSY_STREAM_WAIT_S)
+            if wait := grpc_server.busy_wait_s(len(self.inboxes), loop.time() - written_at):
+                await asyncio.sleep(wait)  # busy: more steps join this message
             written_at = loop.time()
             self._wake.clear()
             batches = [*self._full, self._batch]

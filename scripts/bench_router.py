@@ -139,8 +139,8 @@ class InstantStage(stage_pb2_grpc.StageServicer):
             while True:
                 message = stage_pb2.SessionEvents()
                 item = await events.get()
-                if loop.time() - written_at < grpc_server.BUSY_STREAM_WAIT_S:  # as a real stage does
-                    await asyncio.sleep(grpc_server.BUSY_STREAM_WAIT_S)
+                if wait := grpc_server.busy_wait_s(len(self.feeds), loop.time() - written_at):
+                    await asyncio.sleep(wait)  # as a real stage does
                 written_at = loop.time()
                 while True:
                     if isinstance(item, str):

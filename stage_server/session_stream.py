@@ -106,8 +106,8 @@ class SessionStream:
         try:
             while True:
                 session_id, item = await self.events.get()
-                if loop.time() - written_at < grpc_server.BUSY_STREAM_WAIT_S:  # busy: more results join this message
-                    await asyncio.sleep(grpc_server.BUSY_STREAM_WAIT_S)
+                if wait := grpc_server.busy_wait_s(len(self.feeds), loop.time() - written_at):
+                    await asyncio.sleep(wait)  # busy: more results join this message
                 written_at = loop.time()
                 events = stage_pb2.SessionEvents()
                 while True:  # everything queued by now, in one message

@@ -21,8 +21,17 @@ context we serve fits many times over; a 256 MiB message from anyone does not.""
 BUSY_STREAM_WAIT_S = 0.002
 """A stream carrying many sessions (Stage/Sessions, both ways) whose last message went under this long ago
 waits this long before the next, so that one message carries many sessions' traffic: a gRPC write costs
-about as much for one step as for a hundred. An idle stream writes at once (a lone stream's latency is
-untouched)."""
+about as much for one step as for a hundred (busy_wait_s)."""
+
+
+def busy_wait_s(sessions: int, since_write_s: float) -> float:
+    """How long a stream multiplexing `sessions` holds its next message, its last one written since_write_s ago:
+    BUSY_STREAM_WAIT_S while it is busy with several sessions, else nothing. An idle stream, or one carrying a
+    lone session, writes at once: a lone stream whose tokens come faster than BUSY_STREAM_WAIT_S (a small model,
+    a GPU) would otherwise wait that long at every hop of every token."""
+    return BUSY_STREAM_WAIT_S if sessions > 1 and since_write_s < BUSY_STREAM_WAIT_S else 0.0
+
+
 KEEPALIVE_S = 30.0
 """Channels ping an idle peer this often, and a peer that does not answer in KEEPALIVE_TIMEOUT_S is
 dropped: a host that black-holes packets, or a stopped process, fails its calls instead of hanging.

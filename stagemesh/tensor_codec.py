@@ -86,14 +86,15 @@ def decode(msg: tensor_pb2.Tensor) -> torch.Tensor:
     for d in shape:
         numel *= d
     itemsize = dtype.itemsize
-    if len(msg.data) != numel * itemsize:
+    data = msg.data  # read once: each read of a bytes field is a copy of its own (upb)
+    if len(data) != numel * itemsize:
         raise CodecError(
             f"tensor of shape {list(shape)} and dtype {msg.dtype} needs {numel * itemsize} bytes, "
-            f"got {len(msg.data)}"
+            f"got {len(data)}"
         )
     if numel == 0:
         return torch.empty(shape, dtype=dtype)
-    t = torch.frombuffer(msg.data, dtype=dtype).reshape(shape)
+    t = torch.frombuffer(data, dtype=dtype).reshape(shape)
     if msg.row_scale:
         if dtype != torch.int8 or len(shape) != 2 or len(msg.row_scale) != shape[0]:
             raise CodecError(f"row_scale ({len(msg.row_scale)} values) needs an int8 tensor of "

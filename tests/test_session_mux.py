@@ -12,6 +12,7 @@ import pytest
 from router.chain_client import Sampling
 from router.forwarding import ForwardingSession
 from stage_server import session_stream
+from stagemesh import grpc_server
 from stagemesh.v1 import stage_pb2
 from tests.conftest import hf_greedy
 from tests.test_exactness import prompt
@@ -113,3 +114,15 @@ async def test_the_streams_end_closes_every_session_it_carried(tiny_model):
         assert failed.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
         for session in sessions:
             await session.close()
+
+
+def test_a_stream_holds_a_message_for_company_only_while_it_carries_several_sessions():
+    wait = grpc_server.BUSY_STREAM_WAIT_S
+    # A lone session's step goes at once, however soon after the last: on a host that makes its tokens
+    # faster than the wait, it would otherwise wait at every hop of every token.
+    assert grpc_server.busy_wait_s(1, 0.0) == 0.0
+    assert grpc_server.busy_wait_s(0, 0.0) == 0.0
+    # Many sessions, the last message just written: the next waits so that more sessions' traffic joins it.
+    assert grpc_server.busy_wait_s(32, wait / 10) == wait
+    # Many sessions, idle since the last message: at once.
+    assert grpc_server.busy_wait_s(32, 2 * wait) == 0.0
