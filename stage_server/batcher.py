@@ -118,6 +118,26 @@ class StepBatcher:
         self.wakeup.set()
         return await req.future
 
+    def can_run_now(self) -> bool:
+        """Whether a lone decode step may skip the queue (run_now): nothing queued or running, and a lone short
+        decode step would run inline, on the event loop, anyway."""
+        return not self.stopped and not self.queue and not self.running and self._short_decodes()
+
+    def run_now(self, req: StepRequest) -> StepResult:
+        """A lone decode step run on the caller's stack, where can_run_now() holds: the pass the batcher would
+        run for it, without the queue, the future and the loop turns (stage_service: a stage serving one
+        session has nothing to batch it with)."""
+        t0 = time.perf_counter()
+        self.running = [req]
+        try:
+            (result,) = self._run_isolated([req])
+        finally:
+            self.running = []
+        self._passed([req], time.perf_counter() - t0)
+        if isinstance(result, Exception):
+            raise result
+        return result
+
     def stalled_for(self) -> float:
         """Seconds the batcher has had work without finishing a pass (0 when idle or moving)."""
         if not self.queue and not self.running:
@@ -182,14 +202,7 @@ class StepBatcher:
                         results = await loop.run_in_executor(self.executor, self._run_isolated, batch)
                 finally:
                     self.running = []
-                self.last_progress = time.monotonic()
-                took = time.perf_counter() - t0
-                metrics.PASS_SECONDS.labels(metrics.batch_label(len(batch))).observe(took)
-                metrics.PASS_TOKENS.observe(sum(r.length for r in batch))
-                self.recent_pass_ms.append(took * 1000)
-                if all(r.length == 1 for r in batch):
-                    self.recent_decode_ms.append(took * 1000)
-                self.batches_run += 1
+                self._passed(batch, time.perf_counter() - t0)
                 for req, res in zip(batch, results, strict=True):
                     if req.future.done():
                         continue
@@ -198,10 +211,23 @@ class StepBatcher:
                     else:
                         req.future.set_result(res)
 
+    def _passed(self, batch: list[StepRequest], took: float) -> None:
+        """A pass's bookkeeping: progress, metrics, the recent pass times."""
+        self.last_progress = time.monotonic()
+        metrics.PASS_SECONDS.labels(metrics.batch_label(len(batch))).observe(took)
+        metrics.PASS_TOKENS.observe(sum(r.length for r in batch))
+        self.recent_pass_ms.append(took * 1000)
+        if all(r.length == 1 for r in batch):
+            self.recent_decode_ms.append(took * 1000)
+        self.batches_run += 1
+
     def _inline(self, batch: list[StepRequest]) -> bool:
         """A lone decode step of a stage whose decode passes are known to be short."""
-        return (self.may_inline and len(batch) == 1 and batch[0].length == 1 and bool(self.recent_decode_ms)
-                and self.recent_decode_ms[-1] < self.config.inline_max_ms)
+        return len(batch) == 1 and batch[0].length == 1 and self._short_decodes()
+
+    def _short_decodes(self) -> bool:
+        """Whether the last decode pass was short enough to run inline (and inline torch work is allowed)."""
+        return self.may_inline and bool(self.recent_decode_ms) and self.recent_decode_ms[-1] < self.config.inline_max_ms
 
     def _run_isolated(self, batch: list[StepRequest]) -> list[StepResult | Exception]:
         """Runs the pass; if it fails, runs its steps one by one so that only a failing step fails.

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 
 import grpc
@@ -47,6 +47,19 @@ class Route:
     """What came before a stream followed the session (a relayed step can outrun the router's follow)."""
     order: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
     """Relayed steps run one at a time, in the order they came (asyncio's lock is first come, first served)."""
+    pending: int = 0
+    """The session's steps and reroutes taken off the wire whose tasks (in_order) have not ended."""
+
+    def in_order(self, work: Coroutine, running: set[asyncio.Task]) -> None:
+        """Runs work, which takes `order` first, on a task of its own (kept in running while it runs)."""
+        self.pending += 1
+        task = asyncio.get_running_loop().create_task(work)
+        running.add(task)
+        task.add_done_callback(running.discard)
+        task.add_done_callback(self._ended)
+
+    def _ended(self, _task: asyncio.Task) -> None:
+        self.pending -= 1
 
     @property
     def forwards(self) -> bool:

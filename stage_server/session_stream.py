@@ -198,10 +198,7 @@ class SessionStream:
         except (StatusError, tensor_codec.CodecError) as exc:  # ill-formed: this session fails, no other
             service._fail(session.session_id, exc)
             return
-        task = asyncio.get_running_loop().create_task(
-            service._relayed_step(session, request, inputs, time.perf_counter() - t0))
-        self.running.add(task)
-        task.add_done_callback(self.running.discard)
+        service.relay(session, request, inputs, time.perf_counter() - t0, self.running)
 
     def _reroute(self, request: stage_pb2.Reroute) -> None:
         """Repair: the session rewound to request.position and re-pointed, after the steps sent before it."""
@@ -210,9 +207,7 @@ class SessionStream:
         except UnknownSession as exc:
             self.events.put_nowait((request.session_id, exc))
             return
-        task = asyncio.get_running_loop().create_task(self._rerouted(session, request))
-        self.running.add(task)
-        task.add_done_callback(self.running.discard)
+        session.route.in_order(self._rerouted(session, request), self.running)
 
     async def _rerouted(self, session, request: stage_pb2.Reroute) -> None:
         route, cache = session.route, session.cache
