@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -12,6 +13,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from safetensors import safe_open
 
+import stagemesh
 from stagemesh.checkpoint import ModelFootprint
 from stagemesh.launcher import stage_budget_gb, stage_env, start_local_mesh, wait_for_chains
 from stagemesh.v1 import router_pb2, router_pb2_grpc, stage_pb2, stage_pb2_grpc
@@ -135,3 +137,24 @@ def test_a_kv_pool_larger_than_the_hosts_memory_is_refused_in_one_line(tiny_mode
     assert "--kv-cache-gb" in proc.stderr and "available" in proc.stderr
     assert "Traceback" not in proc.stderr and "Event loop is closed" not in proc.stderr, proc.stderr[-3000:]
     assert "stage ready" not in proc.stdout
+
+
+def imported(code: str, env: dict[str, str]) -> tuple[str, list[str]]:
+    """What `python -X importtime -c code` printed, and the modules it imported, in order."""
+    out = subprocess.run([sys.executable, "-X", "importtime", "-c", code], env=env, capture_output=True, text=True,
+                         check=True, timeout=120)
+    modules = [line.rsplit("|", 1)[1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")]
+    return out.stdout.strip(), modules
+
+
+def test_a_service_process_sets_grpcs_transport_before_grpc_loads():
+    env = {k: v for k, v in os.environ.items() if k != "GRPC_EXPERIMENTS"}
+    printed, modules = imported("import os, stagemesh.cli; print(os.environ['GRPC_EXPERIMENTS'])", env)
+    assert printed == stagemesh.GRPC_TRANSPORT_EXPERIMENTS
+    assert modules.index("stagemesh") < modules.index("grpc")  # grpc reads the variable when it loads
+
+
+def test_a_users_own_grpc_experiments_are_kept():
+    env = {**os.environ, "GRPC_EXPERIMENTS": "-event_engine_dns"}
+    printed, _ = imported("import os, stagemesh.cli; print(os.environ['GRPC_EXPERIMENTS'])", env)
+    assert printed == "-event_engine_dns"
