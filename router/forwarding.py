@@ -15,9 +15,10 @@ import time
 
 import grpc
 
-from router.chain_client import ChainSession, Sampling, StepResult
+from router.chain_client import ChainSession
 from router.session_mux import StageMux, mux_of
 from router.stage_faults import stage_error
+from router.step_values import Sampling, StepResult
 from stagemesh import metrics, tracing
 from stagemesh.v1 import stage_pb2
 

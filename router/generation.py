@@ -11,11 +11,12 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from router.chain_client import ChainSession, Progress, Sampling
+from router.chain_client import ChainSession, Progress
 from router.chains import ChainSet, NoUsableChain
 from router.detokenizer import IncrementalText
 from router.forwarding import session_class
 from router.repair import Repairs
+from router.step_values import Sampling
 from stagemesh import metrics
 from stagemesh.config_flags import refused
 from stagemesh.errors import StatusError

@@ -22,10 +22,11 @@ import secrets
 
 import grpc
 
-from router.chain_client import ChainSession, StageEndpoint, StepResult, background
+from router.chain_client import ChainSession, StageEndpoint, background
 from router.chains import ChainSet
 from router.forwarding import ForwardingSession, deadline_exceeded
 from router.session_mux import REROUTED, mux_of
+from router.step_values import StepResult
 from stagemesh import metrics
 from stagemesh.v1 import stage_pb2, tensor_pb2
 from stagemesh.wire import encode_ids

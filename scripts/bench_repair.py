@@ -40,8 +40,9 @@ import grpc  # noqa: E402
 import torch  # noqa: E402
 
 from router import repair  # noqa: E402
-from router.chain_client import Chain, ChainSession, Sampling, StageEndpoint  # noqa: E402
+from router.chain_client import Chain, ChainSession, StageEndpoint  # noqa: E402
 from router.forwarding import ForwardingSession  # noqa: E402
+from router.step_values import Sampling  # noqa: E402
 from stagemesh.fault_mesh import FaultMesh  # noqa: E402
 from stagemesh.tiny_model import make_tiny_model  # noqa: E402
 from stagemesh.v1 import stage_pb2  # noqa: E402

@@ -87,7 +87,7 @@ class SessionStream:
     def __init__(self, service: StageService, context: grpc.aio.ServicerContext, codes: ErrorCodes,
                  admit: Callable[[], None] | None = None):
         self.service = service
-        self.caller = context.peer()  # as stage_service.caller_of: the connection owns what it opens
+        self.caller = context.peer()  # as callers.caller_of: the connection owns what it opens
         self.context = context
         self.codes = codes
         self.admit = admit

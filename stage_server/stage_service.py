@@ -14,6 +14,7 @@ import torch
 
 from stage_server import packed_weights
 from stage_server.batcher import BatcherStopped, OutOfMemory, StepBatcher, StepRequest, StepResult
+from stage_server.callers import caller_of, prefix_domain
 from stage_server.forwarding import FEED_END, Links, Route
 from stage_server.kv_pool import PoolExhausted
 from stage_server.model import StageModel
@@ -67,23 +68,6 @@ ERROR_CODES: ErrorCodes = {
 """The stage's domain errors as the caller sees them (the stage server's StatusInterceptor reads
 this); anything else a handler raises is a bug: INTERNAL, logged, its text kept from the caller.
 A step that failed alone in its pass (batcher.StepFailed) is such a bug, of that step only."""
-
-
-def caller_of(context: grpc.aio.ServicerContext) -> str:
-    """Who is calling, as far as session ownership goes: the caller's connection. A router's channel
-    to a stage is one connection, so its OpenSession, Forward and CloseSession calls share it; a
-    session id seen elsewhere (a log, a capture) is of no use from any other connection."""
-    return context.peer()
-
-
-def prefix_domain(context: grpc.aio.ServicerContext) -> str:
-    """Who shares the stage's prefix cache: with --tls every mesh member (all present the mesh's certificate),
-    else the callers of one host (the peer's address without its port). A block is indexed under the tokens its
-    opener named, which the stage cannot check past the first stage: a caller elsewhere must not put KV under
-    another caller's prompt."""
-    if context.auth_context().get("x509_pem_cert"):
-        return "mesh"
-    return context.peer().rsplit(":", 1)[0]
 
 
 class StageService(stage_pb2_grpc.StageServicer):

@@ -15,8 +15,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 torch.set_num_threads(2)
 
-from router.chain_client import Chain, ChainSession, Sampling, StageEndpoint  # noqa: E402
+from router.chain_client import Chain, ChainSession, StageEndpoint  # noqa: E402
 from router.server import RouterConfig, RouterServer  # noqa: E402
+from router.step_values import Sampling  # noqa: E402
 from stage_server.config import StageConfig  # noqa: E402
 from stage_server.kv_pool import KVPool, SessionCache  # noqa: E402
 from stage_server.model import StageModel, StepSlice  # noqa: E402

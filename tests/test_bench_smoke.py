@@ -176,6 +176,15 @@ def test_bench_linear_checks_and_times_every_arm():
     assert all(len(r) == 5 and r[-1].endswith("x") for r in rows[1:]), proc.stdout
 
 
+def test_bench_hop_times_both_transports_side_by_side():
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_hop.py"), "--sizes", "256,4096",
+                           "--rounds", "2", "--n", "20"], cwd=ROOT, capture_output=True, text=True, timeout=RUN_S)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    rows = [line.split() for line in proc.stdout.splitlines() if line.startswith("  ")]
+    assert [r[0] for r in rows] == ["256", "4096"], proc.stdout
+    assert all(float(r[4]) > 0 and float(r[6]) > 0 and r[7].endswith("x)") for r in rows), proc.stdout
+
+
 @pytest.mark.timeout(RUN_S + 60)
 def test_bench_pass_times_each_weight_layout_side_by_side(tiny_model):
     """--weights: a copy of the model per layout (as loaded, packed panels with the norms apart, packed as a stage

@@ -12,9 +12,10 @@ import grpc
 import pytest
 import torch
 
-from router.chain_client import Chain, ChainSession, Sampling, StageEndpoint
+from router.chain_client import Chain, ChainSession, StageEndpoint
 from router.forwarding import ForwardingSession
 from router.generation import GenerationConfig
+from router.step_values import Sampling
 from stagemesh import tensor_codec
 from stagemesh.fault_mesh import FaultMesh
 from stagemesh.link_proxy import LinkProxy

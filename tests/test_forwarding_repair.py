@@ -12,8 +12,9 @@ import grpc
 import pytest
 
 from router import repair
-from router.chain_client import Chain, Sampling, StageEndpoint
+from router.chain_client import Chain, StageEndpoint
 from router.forwarding import ForwardingSession
+from router.step_values import Sampling
 from stagemesh import tensor_codec
 from stagemesh.v1 import router_pb2
 from tests.conftest import hf_greedy, splits, start_mesh

@@ -14,10 +14,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
-from router.chain_client import Chain, ChainSession, Sampling, StageEndpoint
+from router.chain_client import Chain, ChainSession, StageEndpoint
 from router.generation import GenerationConfig
+from router.step_values import Sampling
+from stage_server.callers import prefix_domain
 from stage_server.kv_pool import KVPool, PoolExhausted, Preempted
-from stage_server.stage_service import prefix_domain
 from stagemesh import tensor_codec
 from stagemesh.tiny_model import make_tiny_model
 from stagemesh.v1 import stage_pb2

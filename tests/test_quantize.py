@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from router.chain_client import Chain, ChainSession, Sampling, StageEndpoint
+from router.chain_client import Chain, ChainSession, StageEndpoint
+from router.step_values import Sampling
 from stage_server.loader import load_stage
 from stage_server.quantize import Int8WeightLinear, quantize
 from stagemesh import tensor_codec

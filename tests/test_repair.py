@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from router import repair
-from router.chain_client import Chain, ChainSession, Sampling, StageEndpoint
+from router.chain_client import Chain, ChainSession, StageEndpoint
+from router.step_values import Sampling
 from stage_server.output_log import LogBudget, OutputLog
 from stagemesh import grpc_server, tensor_codec, wire
 from stagemesh.fault_mesh import FaultMesh

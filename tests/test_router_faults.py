@@ -12,9 +12,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import REGISTRY
 
-from router.chain_client import ChainSession, Progress, Sampling
+from router.chain_client import ChainSession, Progress
 from router.generation import Backoff, GenerationConfig
 from router.server import RouterConfig, RouterServer
+from router.step_values import Sampling
 from stage_server.config import BatcherConfig
 from stage_server.kv_pool import PoolExhausted
 from stage_server.model import StageModel

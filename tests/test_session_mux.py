@@ -9,8 +9,8 @@ import asyncio
 import grpc
 import pytest
 
-from router.chain_client import Sampling
 from router.forwarding import ForwardingSession
+from router.step_values import Sampling
 from stage_server import session_stream
 from stagemesh import grpc_server
 from stagemesh.v1 import stage_pb2

@@ -9,8 +9,9 @@ import grpc
 import pytest
 import torch
 
-from router.chain_client import Chain, ChainSession, Sampling, StageEndpoint
+from router.chain_client import Chain, ChainSession, StageEndpoint
 from router.server import RouterConfig, RouterServer
+from router.step_values import Sampling
 from stage_server import tensor_parallel
 from stage_server.config import BatcherConfig, StageConfig
 from stage_server.server import StageServer

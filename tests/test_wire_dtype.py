@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from router.chain_client import Chain, ChainSession, Sampling, StageEndpoint
+from router.chain_client import Chain, ChainSession, StageEndpoint
+from router.step_values import Sampling
 from stagemesh import tensor_codec
 from stagemesh.v1 import stage_pb2
 from stagemesh.wire import encode_ids
