@@ -126,3 +126,27 @@ def test_a_stream_holds_a_message_for_company_only_while_it_carries_several_sess
     assert grpc_server.busy_wait_s(32, wait / 10) == wait
     # Many sessions, idle since the last message: at once.
     assert grpc_server.busy_wait_s(32, 2 * wait) == 0.0
+
+
+async def test_a_lone_sessions_decode_steps_skip_the_queue_and_stay_exact(tiny_model, hf_models, monkeypatch):
+    """A stage serving one session runs its decode steps at once, on the stack that read them (StepBatcher.run_now);
+    two sessions' steps go through the queue, batched. Tokens equal transformers' either way."""
+    async with one_chain(tiny_model, 2) as (mesh, chain):
+        at_once = []
+        for stage in mesh.stages[0]:
+            # This process runs torch on 2 threads, where a stage keeps torch work off its event loop; a 1-thread
+            # stage (the launcher's on 2 cores) runs a lone short decode step inline, and so may skip the queue.
+            stage.batcher.may_inline = True
+            run_now = stage.batcher.run_now
+            monkeypatch.setattr(stage.batcher, "run_now", lambda req, run=run_now: at_once.append(req) or run(req))
+        ids = prompt(9, seed=64)
+        async with ForwardingSession(chain, 64, "lone") as session:
+            assert await greedy(session, ids, 8) == hf_greedy(hf_models["llama"], ids, 8)
+        assert len(at_once) >= 2 * 5  # both stages, every decode step after the first (which sets the pass time)
+        at_once.clear()
+        prompts = [prompt(5, seed=65), prompt(7, seed=66)]
+        async with ForwardingSession(chain, 64, "a") as a, ForwardingSession(chain, 64, "b") as b:
+            got = await asyncio.gather(greedy(a, prompts[0], 6), greedy(b, prompts[1], 6))
+        assert got == [hf_greedy(hf_models["llama"], p, 6) for p in prompts]
+        assert not at_once
+        await until_empty(mesh)
