@@ -12,6 +12,7 @@ import pytest
 from router.forwarding import ForwardingSession
 from router.step_values import Sampling
 from stage_server import session_stream
+from stage_server.config import BatcherConfig
 from stagemesh import grpc_server
 from stagemesh.v1 import stage_pb2
 from tests.conftest import hf_greedy
@@ -136,7 +137,9 @@ async def test_a_lone_sessions_decode_steps_skip_the_queue_and_stay_exact(tiny_m
         for stage in mesh.stages[0]:
             # This process runs torch on 2 threads, where a stage keeps torch work off its event loop; a 1-thread
             # stage (the launcher's on 2 cores) runs a lone short decode step inline, and so may skip the queue.
+            # Any pass counts as short here, however slow the machine.
             stage.batcher.may_inline = True
+            stage.batcher.config = BatcherConfig(inline_max_ms=60_000.0)
             run_now = stage.batcher.run_now
             monkeypatch.setattr(stage.batcher, "run_now", lambda req, run=run_now: at_once.append(req) or run(req))
         ids = prompt(9, seed=64)
