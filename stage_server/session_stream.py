@@ -16,6 +16,7 @@ from typing import Any
 
 import grpc
 
+from stage_server.callers import caller_of
 from stage_server.kv_pool import PoolExhausted
 from stage_server.sessions import UnknownSession
 from stage_server.step_inputs import decode_inputs
@@ -87,7 +88,7 @@ class SessionStream:
     def __init__(self, service: StageService, context: grpc.aio.ServicerContext, codes: ErrorCodes,
                  admit: Callable[[], None] | None = None):
         self.service = service
-        self.caller = context.peer()  # as callers.caller_of: the connection owns what it opens
+        self.caller = caller_of(context)  # the connection owns what it opens
         self.context = context
         self.codes = codes
         self.admit = admit

@@ -187,12 +187,18 @@ class StageService(stage_pb2_grpc.StageServicer):
         """Runs a step: its input decoded (unless already, from t0 on) and checked, then its pass. Times the wire
         decode (step_timing); returns the result and whether it was a decode step (one token)."""
         t0 = time.perf_counter() if t0 is None else t0
-        step = self._to_step(request, session, decode_inputs(self.model, request) if inputs is None else inputs)
+        step = self._checked(request, session, decode_inputs(self.model, request) if inputs is None else inputs, t0)
         decode = step.length == 1
-        self.batcher.timing.since("wire_decode", t0, decode)
         result = await self.batcher.submit(step)
         self._ran(request, session, result, decode)
         return result, decode
+
+    def _checked(self, request: stage_pb2.ForwardRequest, session: Session, inputs: torch.Tensor,
+                 t0: float) -> StepRequest:
+        """The step, checked against its session; the wire decode timed from t0 (step_timing)."""
+        step = self._to_step(request, session, inputs)
+        self.batcher.timing.since("wire_decode", t0, step.length == 1)
+        return step
 
     def _ran(self, request: stage_pb2.ForwardRequest, session: Session, result: StepResult, decode: bool) -> None:
         self.batcher.timing.decode_steps += decode
@@ -272,9 +278,7 @@ class StageService(stage_pb2_grpc.StageServicer):
         if inputs.shape[0] == 1 and len(self.sessions) == 1 and not session.route.pending \
                 and self.batcher.can_run_now():
             try:
-                t0 = time.perf_counter() - decode_s
-                step = self._to_step(request, session, inputs)
-                self.batcher.timing.since("wire_decode", t0, True)
+                step = self._checked(request, session, inputs, time.perf_counter() - decode_s)
                 result = self.batcher.run_now(step)
                 self._ran(request, session, result, True)
                 self._pass_on(session, request, result, True)
