@@ -35,7 +35,8 @@ constexpr int64_t kSlice = 256;  // inputs of a panel that the blocks of a pass 
 // How far ahead (in inputs: one 64-byte cache line of a panel each) a block that reads a single panel asks for
 // the panel's lines. A block of 3+ rows reads one panel, one sequential stream, and the hardware's prefetchers
 // alone kept it at 10-15 GB/s where the 4 streams of a lone row's blocks reach ~25 (~270M shapes, one thread:
-// 4 rows 17.7 -> 10.2 ms, 8 rows 24.5 -> 16.1, 16 rows 34 -> 24 over 4 layers; README, "Passes of a few rows").
+// 4 rows 17.7 -> 10.5 ms, 8 rows 24.4 -> 16.1, 16 rows 35.3 -> 24.5 over 4 layers; README, "One panel, one stream:
+// prefetched"). A block of 1 or 2 rows reads 4 or 2 panels at once and takes no hint: with it, it ran slower.
 constexpr int64_t kPrefetchAhead = 48;
 
 typedef float v8 __attribute__((vector_size(32)));
