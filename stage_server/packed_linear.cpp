@@ -9,7 +9,7 @@
 // ((x * rsqrt(mean(x^2) + eps)) * weight, torch's order): one call instead of the norm's own half dozen, which cost
 // a decode step more than the Linear on small models (README, "The norm inside the Linear").
 //
-// Why not torch's own matrix product: on this project's CPUs (AMD EPYC, AVX2) MKL's sgemm reads the weight about
+// Why not torch's own matrix product: on this project's CPUs (AMD EPYC) MKL's sgemm reads the weight about
 // once per row for small M (a ~270M stage's pass of 4 decode steps costs 3x one), and its GEMV does not scale with
 // a second thread; this kernel streams the weight once per pass and splits it across threads, and keeps up with
 // oneDNN up to prefill chunks (README, "Packed weights"). Built and loaded by stage_server/cpu_kernels.py.
@@ -23,14 +23,29 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <vector>
 
 #include "cpu_kernels.h"
 
 namespace {
 
-constexpr int64_t kPanel = 16;  // output columns per panel: two 8-float vectors
+constexpr int64_t kPanel = 16;  // output columns per panel: two 8-float vectors, or one of 16
 constexpr int64_t kRowsPerChunk = 64;  // rows of x that each sweep over the panels keeps in cache
 constexpr int64_t kPanelsPerTask = 4;  // panels a thread takes at a time (what one row's block reads at once)
+// The blocks of a pass of 7+ rows. With AVX-512 (32 vector registers) a block is up to 16 rows of one 16-float
+// vector each, so passes of 7-16 rows are one block with a chain per row, where 6 rows by two 8-float vectors was
+// the most 16 registers hold (~270M shapes, 4 layers, one thread: 8 rows 14.6 -> 11.6 ms, 16 rows 22.8 -> 18.1,
+// 32 rows 39.1 -> 33.8; prefill chunks level; README, "Passes of 7-16 rows: one block"). Passes of 1-6 rows keep
+// 8-float vectors: they are bound by memory, and 16-float ones gave them no gain.
+#if defined(__AVX512F__)
+#define KERNEL_WIDE_REGISTERS 1
+constexpr int64_t kMaxBlockRows = 16;
+constexpr int kWideLanes = 16;
+#else
+#define KERNEL_WIDE_REGISTERS 0
+constexpr int64_t kMaxBlockRows = 6;
+constexpr int kWideLanes = 8;
+#endif
 constexpr int64_t kSlice = 256;  // inputs of a panel that the blocks of a pass of 7+ rows take at a time: 16 KiB
 // How far ahead (in inputs: one 64-byte cache line of a panel each) a block that reads a single panel asks for
 // the panel's lines. A block of 3+ rows reads one panel, one sequential stream, and the hardware's prefetchers
@@ -39,28 +54,33 @@ constexpr int64_t kSlice = 256;  // inputs of a panel that the blocks of a pass 
 // prefetched"). A block of 1 or 2 rows reads 4 or 2 panels at once and takes no hint: with it, it ran slower.
 constexpr int64_t kPrefetchAhead = 48;
 
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v8u __attribute__((vector_size(32), aligned(4)));
+template <int L>  // a vector of L floats, loaded and stored at any float's alignment
+struct Lanes {
+  typedef float vec __attribute__((vector_size(L * 4)));
+  typedef float unaligned __attribute__((vector_size(L * 4), aligned(4)));
+  static vec load(const float* p) { return *reinterpret_cast<const unaligned*>(p); }
+  static void store(float* p, vec v) { *reinterpret_cast<unaligned*>(p) = v; }
+};
 
-inline v8 load(const float* p) { return *reinterpret_cast<const v8u*>(p); }
-inline void store(float* p, v8 v) { *reinterpret_cast<v8u*>(p) = v; }
-
-// MB rows of x against NP panels (starting at panel p), over inputs [k0, k1): MB x 2NP accumulators, which start
-// from the bias (k0 == 0) or from the partial sums this block stored in y for [0, k0), so that however K is
-// sliced every output is the same chain of multiply-adds over k in order.
-template <int MB, int NP>
-inline void block(const float* x, int64_t K, const float* panels, const float* bias, float* y, int64_t N,
-                  int64_t p, int64_t k0, int64_t k1) {
-  v8 acc[MB][2 * NP];
-  for (int j = 0; j < 2 * NP; ++j) {
-    const int64_t n = p * kPanel + 8 * j;  // panel p + j / 2, half j % 2
+// MB rows of x (row i's input k at x[i * xi + k * xk]) against NP panels (starting at panel p), over inputs [k0, k1),
+// in vectors of L floats: MB x NP x 16 / L accumulators, which start from the bias (k0 == 0) or from the partial
+// sums this block stored in y for [0, k0), so that however K is sliced every output is the same chain of
+// multiply-adds over k in order (each lane its own chain: the vectors' width changes no output).
+template <int MB, int NP, int L = 8>
+inline void block(const float* x, int64_t xi, int64_t xk, int64_t K, const float* panels, const float* bias, float* y,
+                  int64_t N, int64_t p, int64_t k0, int64_t k1) {
+  using V = Lanes<L>;
+  constexpr int kVecs = kPanel / L;  // vectors per panel
+  typename V::vec acc[MB][kVecs * NP];
+  for (int j = 0; j < kVecs * NP; ++j) {
+    const int64_t n = p * kPanel + L * j;  // panel p + j / kVecs
     for (int i = 0; i < MB; ++i) {
       if (k0 == 0) {
-        acc[i][j] = bias ? load(bias + n) : v8{};
-      } else if (n + 8 <= N) {
-        acc[i][j] = load(y + i * N + n);
+        acc[i][j] = bias ? V::load(bias + n) : typename V::vec{};
+      } else if (n + L <= N) {
+        acc[i][j] = V::load(y + i * N + n);
       } else {  // the last panel's padding columns were not stored: they start again from 0, and are never read
-        acc[i][j] = v8{};
+        acc[i][j] = typename V::vec{};
         for (int64_t c = n; c < N; ++c) acc[i][j][c - n] = y[i * N + c];
       }
     }
@@ -68,18 +88,18 @@ inline void block(const float* x, int64_t K, const float* panels, const float* b
   const float* w = panels + p * K * kPanel;
   for (int64_t k = k0; k < k1; ++k) {
     if constexpr (NP == 1) __builtin_prefetch(w + (k + kPrefetchAhead) * kPanel, 0, 0);  // never faults
-    v8 wk[2 * NP];
-    for (int j = 0; j < 2 * NP; ++j) wk[j] = load(w + (j / 2) * K * kPanel + k * kPanel + 8 * (j % 2));
+    typename V::vec wk[kVecs * NP];
+    for (int j = 0; j < kVecs * NP; ++j)
+      wk[j] = V::load(w + (j / kVecs) * K * kPanel + k * kPanel + L * (j % kVecs));
     for (int i = 0; i < MB; ++i) {
-      const float s = x[i * K + k];
-      const v8 xb = {s, s, s, s, s, s, s, s};
-      for (int j = 0; j < 2 * NP; ++j) acc[i][j] += xb * wk[j];
+      const float s = x[i * xi + k * xk];
+      for (int j = 0; j < kVecs * NP; ++j) acc[i][j] += s * wk[j];
     }
   }
-  for (int j = 0; j < 2 * NP; ++j) {
-    const int64_t n = p * kPanel + 8 * j;
-    if (n + 8 <= N) {
-      for (int i = 0; i < MB; ++i) store(y + i * N + n, acc[i][j]);
+  for (int j = 0; j < kVecs * NP; ++j) {
+    const int64_t n = p * kPanel + L * j;
+    if (n + L <= N) {
+      for (int i = 0; i < MB; ++i) V::store(y + i * N + n, acc[i][j]);
     } else {  // the last panel's padding columns are not written
       for (int i = 0; i < MB; ++i)
         for (int64_t c = n; c < N; ++c) y[i * N + c] = acc[i][j][c - n];
@@ -87,16 +107,32 @@ inline void block(const float* x, int64_t K, const float* panels, const float* b
   }
 }
 
-// Rows [0, M) of x against panels [p0, p1). Up to 6 rows: one sweep over each panel, one or two rows taking
-// several panels at once (a single chain per vector would wait on the multiply-add's latency). More rows: in
-// blocks of 3 to 6 (as even as they split: 8 rows are 4 + 4, not 6 + 2, whose second block would wait on its
-// chains), each panel a slice of kSlice inputs at a time, so that the slice, read from memory by the first block,
-// stays in L1 for the others (a whole panel does not: before, a pass of 7-16 rows ran at half the arithmetic rate
-// of a prefill chunk; README, "Passes of a few rows").
+// x [M, K] (M > 6) copied block by block as rows_against_panels splits it, each block's rows interleaved input by
+// input (block b, rows [r, r + n), at offset r * K, its row i's input k at k * n + i), so that a block reads x front
+// to back. Read in place, a block's rows lie K floats apart: for K = 1024 every one of them falls in the same L1
+// set (8 ways), and blocks of 16 rows ran at half speed (~270M shapes, 4 layers, one thread: 16 rows 31.7 ms in
+// place against 18.1 interleaved, 256 rows 497 against 265; README, "Passes of 7-16 rows: one block").
+void interleave_blocks(const float* x, int64_t M, int64_t K, float* out) {
+  const int64_t blocks = (M + kMaxBlockRows - 1) / kMaxBlockRows;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t r = b * M / blocks, n = (b + 1) * M / blocks - r;
+    float* o = out + r * K;
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t k = 0; k < K; ++k) o[k * n + i] = x[(r + i) * K + k];
+  }
+}
+
+// Rows [0, M) of x against panels [p0, p1). Up to 6 rows: x as it is, one sweep over each panel, one or two rows
+// taking several panels at once (a single chain per vector would wait on the multiply-add's latency). More rows: x
+// as interleave_blocks lays it out, in blocks of up to kMaxBlockRows as even as they split (with 16 registers 8
+// rows are 4 + 4, not 6 + 2, whose second block would wait on its chains), each panel a slice of kSlice inputs at
+// a time, so that the slice, read from memory by the first block, stays in L1 for the others (a whole panel does
+// not: before, a pass of 7-16 rows ran at half the arithmetic rate of a prefill chunk; README, "Passes of a few
+// rows").
 void rows_against_panels(const float* x, int64_t M, int64_t K, const float* panels, const float* bias, float* y,
                          int64_t N, int64_t p0, int64_t p1) {
   if (M > 6) {
-    const int64_t blocks = (M + 5) / 6;
+    const int64_t blocks = (M + kMaxBlockRows - 1) / kMaxBlockRows;
     for (int64_t p = p0; p < p1; ++p)
       for (int64_t k0 = 0; k0 < K; k0 += kSlice) {
         const int64_t k1 = std::min(K, k0 + kSlice);
@@ -105,10 +141,24 @@ void rows_against_panels(const float* x, int64_t M, int64_t K, const float* pane
           const float* xb = x + r * K;
           float* yb = y + r * N;
           switch ((b + 1) * M / blocks - r) {
-            case 3: block<3, 1>(xb, K, panels, bias, yb, N, p, k0, k1); break;
-            case 4: block<4, 1>(xb, K, panels, bias, yb, N, p, k0, k1); break;
-            case 5: block<5, 1>(xb, K, panels, bias, yb, N, p, k0, k1); break;
-            default: block<6, 1>(xb, K, panels, bias, yb, N, p, k0, k1); break;
+            case 3: block<3, 1, kWideLanes>(xb, 1, 3, K, panels, bias, yb, N, p, k0, k1); break;
+            case 4: block<4, 1, kWideLanes>(xb, 1, 4, K, panels, bias, yb, N, p, k0, k1); break;
+            case 5: block<5, 1, kWideLanes>(xb, 1, 5, K, panels, bias, yb, N, p, k0, k1); break;
+            case 6: block<6, 1, kWideLanes>(xb, 1, 6, K, panels, bias, yb, N, p, k0, k1); break;
+#if KERNEL_WIDE_REGISTERS
+            case 7: block<7, 1, kWideLanes>(xb, 1, 7, K, panels, bias, yb, N, p, k0, k1); break;
+            case 8: block<8, 1, kWideLanes>(xb, 1, 8, K, panels, bias, yb, N, p, k0, k1); break;
+            case 9: block<9, 1, kWideLanes>(xb, 1, 9, K, panels, bias, yb, N, p, k0, k1); break;
+            case 10: block<10, 1, kWideLanes>(xb, 1, 10, K, panels, bias, yb, N, p, k0, k1); break;
+            case 11: block<11, 1, kWideLanes>(xb, 1, 11, K, panels, bias, yb, N, p, k0, k1); break;
+            case 12: block<12, 1, kWideLanes>(xb, 1, 12, K, panels, bias, yb, N, p, k0, k1); break;
+            case 13: block<13, 1, kWideLanes>(xb, 1, 13, K, panels, bias, yb, N, p, k0, k1); break;
+            case 14: block<14, 1, kWideLanes>(xb, 1, 14, K, panels, bias, yb, N, p, k0, k1); break;
+            case 15: block<15, 1, kWideLanes>(xb, 1, 15, K, panels, bias, yb, N, p, k0, k1); break;
+            default: block<16, 1, kWideLanes>(xb, 1, 16, K, panels, bias, yb, N, p, k0, k1); break;
+#else
+            default: block<6, 1, kWideLanes>(xb, 1, 6, K, panels, bias, yb, N, p, k0, k1); break;
+#endif
           }
         }
       }
@@ -117,17 +167,17 @@ void rows_against_panels(const float* x, int64_t M, int64_t K, const float* pane
   int64_t p = p0;
   switch (M) {
     case 1:
-      for (; p + 4 <= p1; p += 4) block<1, 4>(x, K, panels, bias, y, N, p, 0, K);
-      for (; p < p1; ++p) block<1, 1>(x, K, panels, bias, y, N, p, 0, K);
+      for (; p + 4 <= p1; p += 4) block<1, 4>(x, K, 1, K, panels, bias, y, N, p, 0, K);
+      for (; p < p1; ++p) block<1, 1>(x, K, 1, K, panels, bias, y, N, p, 0, K);
       break;
     case 2:
-      for (; p + 2 <= p1; p += 2) block<2, 2>(x, K, panels, bias, y, N, p, 0, K);
-      for (; p < p1; ++p) block<2, 1>(x, K, panels, bias, y, N, p, 0, K);
+      for (; p + 2 <= p1; p += 2) block<2, 2>(x, K, 1, K, panels, bias, y, N, p, 0, K);
+      for (; p < p1; ++p) block<2, 1>(x, K, 1, K, panels, bias, y, N, p, 0, K);
       break;
-    case 3: for (; p < p1; ++p) block<3, 1>(x, K, panels, bias, y, N, p, 0, K); break;
-    case 4: for (; p < p1; ++p) block<4, 1>(x, K, panels, bias, y, N, p, 0, K); break;
-    case 5: for (; p < p1; ++p) block<5, 1>(x, K, panels, bias, y, N, p, 0, K); break;
-    default: for (; p < p1; ++p) block<6, 1>(x, K, panels, bias, y, N, p, 0, K); break;
+    case 3: for (; p < p1; ++p) block<3, 1>(x, K, 1, K, panels, bias, y, N, p, 0, K); break;
+    case 4: for (; p < p1; ++p) block<4, 1>(x, K, 1, K, panels, bias, y, N, p, 0, K); break;
+    case 5: for (; p < p1; ++p) block<5, 1>(x, K, 1, K, panels, bias, y, N, p, 0, K); break;
+    default: for (; p < p1; ++p) block<6, 1>(x, K, 1, K, panels, bias, y, N, p, 0, K); break;
   }
 }
 
@@ -180,12 +230,17 @@ at::Tensor packed_linear(const at::Tensor& x_in, const at::Tensor& panels, const
   const float* xp = x.data_ptr<float>();
   const float* w = panels.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+  std::vector<float> interleaved(M > 6 ? std::min(M, kRowsPerChunk) * K : 0);
   for (int64_t m = 0; m < M; m += kRowsPerChunk) {  // big M (prefill): x's chunk stays in cache across panels
     const int64_t rows = std::min(kRowsPerChunk, M - m);
+    const float* xm = xp + m * K;
+    if (rows > 6) {
+      interleave_blocks(xm, rows, K, interleaved.data());
+      xm = interleaved.data();
+    }
     const int64_t tasks = (P + kPanelsPerTask - 1) / kPanelsPerTask;
     at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
-      rows_against_panels(xp + m * K, rows, K, w, b, yp + m * N, N, t0 * kPanelsPerTask,
-                          std::min(P, t1 * kPanelsPerTask));
+      rows_against_panels(xm, rows, K, w, b, yp + m * N, N, t0 * kPanelsPerTask, std::min(P, t1 * kPanelsPerTask));
     });
   }
   return y;
