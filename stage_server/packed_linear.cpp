@@ -12,7 +12,9 @@
 // Why not torch's own matrix product: on this project's CPUs (AMD EPYC) MKL's sgemm reads the weight about
 // once per row for small M (a ~270M stage's pass of 4 decode steps costs 3x one), and its GEMV does not scale with
 // a second thread; this kernel streams the weight once per pass and splits it across threads, and keeps up with
-// oneDNN up to prefill chunks (README, "Packed weights"). Built and loaded by stage_server/cpu_kernels.py.
+// oneDNN up to prefill chunks (README, "Packed weights"); on an Intel Xeon it is level with MKL from 256 rows to
+// 2048 and about twice as fast from 3 rows to 16 ("Two panels at a time"). Built and loaded by
+// stage_server/cpu_kernels.py.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -32,27 +34,30 @@ namespace {
 constexpr int64_t kPanel = 16;  // output columns per panel: two 8-float vectors, or one of 16
 constexpr int64_t kRowsPerChunk = 64;  // rows of x that each sweep over the panels keeps in cache
 constexpr int64_t kPanelsPerTask = 4;  // panels a thread takes at a time (what one row's block reads at once)
-// The blocks of a pass of 7+ rows. With AVX-512 (32 vector registers) a block is up to 16 rows of one 16-float
-// vector each, so passes of 7-16 rows are one block with a chain per row, where 6 rows by two 8-float vectors was
-// the most 16 registers hold (~270M shapes, 4 layers, one thread: 8 rows 14.6 -> 11.6 ms, 16 rows 22.8 -> 18.1,
-// 32 rows 39.1 -> 33.8; prefill chunks level; README, "Passes of 7-16 rows: one block"). Passes of 1-6 rows keep
-// 8-float vectors: they are bound by memory, and 16-float ones gave them no gain.
+// Passes of 3+ rows with AVX-512 (32 vector registers): blocks of up to 14 rows against two panels at once, 28
+// accumulators and 2 weight vectors. Each broadcast of an input feeds two multiply-adds (16 loads to 28, the shape
+// BLAS kernels take), where a block of 16 rows against one panel (17 loads to 16) waited on the loads; and a block
+// reads two panels, two streams, each prefetched into every cache level. ~270M shapes, 4 layers, one thread, on an
+// Intel Xeon (AMX, 480 MiB of L3): 3 rows 33 -> 15 ms, 8 rows 31 -> 17, 16 rows 36 -> 21, 32 rows 49 -> 31, 256 rows
+// 305 -> 180, 2048 rows 2411 -> ~1400 (MKL: 1287); README, "Two panels at a time".
 #if defined(__AVX512F__)
 #define KERNEL_WIDE_REGISTERS 1
-constexpr int64_t kMaxBlockRows = 16;
-constexpr int kWideLanes = 16;
-#else
+constexpr int64_t kMaxBlockRows = 14;
+constexpr int64_t kBlockRowsFrom = 3;  // passes of 1 or 2 rows read 4 or 2 panels per row, x in place
+#else  // 16 registers: blocks of up to 6 rows of two 8-float vectors against one panel
 #define KERNEL_WIDE_REGISTERS 0
 constexpr int64_t kMaxBlockRows = 6;
-constexpr int kWideLanes = 8;
+constexpr int64_t kBlockRowsFrom = 7;  // passes of 1-6 rows: x in place
 #endif
-constexpr int64_t kSlice = 256;  // inputs of a panel that the blocks of a pass of 7+ rows take at a time: 16 KiB
-// How far ahead (in inputs: one 64-byte cache line of a panel each) a block that reads a single panel asks for
-// the panel's lines. A block of 3+ rows reads one panel, one sequential stream, and the hardware's prefetchers
-// alone kept it at 10-15 GB/s where the 4 streams of a lone row's blocks reach ~25 (~270M shapes, one thread:
-// 4 rows 17.7 -> 10.5 ms, 8 rows 24.4 -> 16.1, 16 rows 35.3 -> 24.5 over 4 layers; README, "One panel, one stream:
-// prefetched"). A block of 1 or 2 rows reads 4 or 2 panels at once and takes no hint: with it, it ran slower.
+constexpr int64_t kSlice = 256;  // inputs of a panel that the blocks of a pass take at a time: 16 KiB per panel
+// How far ahead (in inputs: one 64-byte cache line of a panel each) a block asks for its panels' lines. Without
+// AVX-512 a block of 3+ rows reads one panel, one sequential stream, which the hardware's prefetchers alone kept at
+// 10-15 GB/s on AMD EPYC, and a non-temporal hint (into L1 only) sped up there (~270M shapes, one thread: 4 rows
+// 17.7 -> 10.5 ms; README, "One panel, one stream: prefetched"). On the Intel Xeon that hint halved the AVX-512
+// blocks' speed and a hint into every level sped them up (8 rows 20.7 -> 16.5 ms, 256 rows 210 -> 186), so those
+// take it. Blocks of 1 or 2 rows read 4 or 2 panels at once and take no hint: with one, they ran slower.
 constexpr int64_t kPrefetchAhead = 48;
+constexpr int kNoHint = -1, kHintL1 = 0, kHintAll = 3;  // __builtin_prefetch's locality (0: non-temporal)
 
 template <int L>  // a vector of L floats, loaded and stored at any float's alignment
 struct Lanes {
@@ -65,8 +70,9 @@ struct Lanes {
 // MB rows of x (row i's input k at x[i * xi + k * xk]) against NP panels (starting at panel p), over inputs [k0, k1),
 // in vectors of L floats: MB x NP x 16 / L accumulators, which start from the bias (k0 == 0) or from the partial
 // sums this block stored in y for [0, k0), so that however K is sliced every output is the same chain of
-// multiply-adds over k in order (each lane its own chain: the vectors' width changes no output).
-template <int MB, int NP, int L = 8>
+// multiply-adds over k in order (each lane its own chain: the vectors' width changes no output). Hint: how each
+// panel's lines are asked for ahead (kPrefetchAhead), or not.
+template <int MB, int NP, int L = 8, int Hint = kNoHint>
 inline void block(const float* x, int64_t xi, int64_t xk, int64_t K, const float* panels, const float* bias, float* y,
                   int64_t N, int64_t p, int64_t k0, int64_t k1) {
   using V = Lanes<L>;
@@ -87,7 +93,8 @@ inline void block(const float* x, int64_t xi, int64_t xk, int64_t K, const float
   }
   const float* w = panels + p * K * kPanel;
   for (int64_t k = k0; k < k1; ++k) {
-    if constexpr (NP == 1) __builtin_prefetch(w + (k + kPrefetchAhead) * kPanel, 0, 0);  // never faults
+    if constexpr (Hint != kNoHint)  // never faults
+      for (int j = 0; j < NP; ++j) __builtin_prefetch(w + j * K * kPanel + (k + kPrefetchAhead) * kPanel, 0, Hint);
     typename V::vec wk[kVecs * NP];
     for (int j = 0; j < kVecs * NP; ++j)
       wk[j] = V::load(w + (j / kVecs) * K * kPanel + k * kPanel + L * (j % kVecs));
@@ -107,11 +114,12 @@ inline void block(const float* x, int64_t xi, int64_t xk, int64_t K, const float
   }
 }
 
-// x [M, K] (M > 6) copied block by block as rows_against_panels splits it, each block's rows interleaved input by
-// input (block b, rows [r, r + n), at offset r * K, its row i's input k at k * n + i), so that a block reads x front
-// to back. Read in place, a block's rows lie K floats apart: for K = 1024 every one of them falls in the same L1
-// set (8 ways), and blocks of 16 rows ran at half speed (~270M shapes, 4 layers, one thread: 16 rows 31.7 ms in
-// place against 18.1 interleaved, 256 rows 497 against 265; README, "Passes of 7-16 rows: one block").
+// x [M, K] (M >= kBlockRowsFrom) copied block by block as rows_against_panels splits it, each block's rows
+// interleaved input by input (block b, rows [r, r + n), at offset r * K, its row i's input k at k * n + i), so that a
+// block reads x front to back. Read in place, a block's rows lie K floats apart: for K = 1024 every one of them
+// falls in the same L1 set (8 ways), and blocks of 16 rows ran at half speed (~270M shapes, 4 layers, one thread:
+// 16 rows 31.7 ms in place against 18.1 interleaved, 256 rows 497 against 265; README, "Passes of 7-16 rows: one
+// block").
 void interleave_blocks(const float* x, int64_t M, int64_t K, float* out) {
   const int64_t blocks = (M + kMaxBlockRows - 1) / kMaxBlockRows;
   for (int64_t b = 0; b < blocks; ++b) {
@@ -122,44 +130,57 @@ void interleave_blocks(const float* x, int64_t M, int64_t K, float* out) {
   }
 }
 
-// Rows [0, M) of x against panels [p0, p1). Up to 6 rows: x as it is, one sweep over each panel, one or two rows
-// taking several panels at once (a single chain per vector would wait on the multiply-add's latency). More rows: x
-// as interleave_blocks lays it out, in blocks of up to kMaxBlockRows as even as they split (with 16 registers 8
-// rows are 4 + 4, not 6 + 2, whose second block would wait on its chains), each panel a slice of kSlice inputs at
-// a time, so that the slice, read from memory by the first block, stays in L1 for the others (a whole panel does
-// not: before, a pass of 7-16 rows ran at half the arithmetic rate of a prefill chunk; README, "Passes of a few
-// rows").
+// One block of n rows (interleaved) against NP panels from p, over inputs [k0, k1): with AVX-512 n is 3-14 rows
+// of 16-float vectors; without it 3-6 rows (blocks split as evenly as they can: 8 rows are 4 + 4, not 6 + 2, whose
+// second block would wait on its chains) of two 8-float vectors.
+template <int NP>
+void block_of(int64_t n, const float* x, int64_t K, const float* panels, const float* bias, float* y, int64_t N,
+              int64_t p, int64_t k0, int64_t k1) {
+#if KERNEL_WIDE_REGISTERS
+  constexpr int L = 16, H = kHintAll;
+  switch (n) {
+    case 3: block<3, NP, L, H>(x, 1, 3, K, panels, bias, y, N, p, k0, k1); break;
+    case 4: block<4, NP, L, H>(x, 1, 4, K, panels, bias, y, N, p, k0, k1); break;
+    case 5: block<5, NP, L, H>(x, 1, 5, K, panels, bias, y, N, p, k0, k1); break;
+    case 6: block<6, NP, L, H>(x, 1, 6, K, panels, bias, y, N, p, k0, k1); break;
+    case 7: block<7, NP, L, H>(x, 1, 7, K, panels, bias, y, N, p, k0, k1); break;
+    case 8: block<8, NP, L, H>(x, 1, 8, K, panels, bias, y, N, p, k0, k1); break;
+    case 9: block<9, NP, L, H>(x, 1, 9, K, panels, bias, y, N, p, k0, k1); break;
+    case 10: block<10, NP, L, H>(x, 1, 10, K, panels, bias, y, N, p, k0, k1); break;
+    case 11: block<11, NP, L, H>(x, 1, 11, K, panels, bias, y, N, p, k0, k1); break;
+    case 12: block<12, NP, L, H>(x, 1, 12, K, panels, bias, y, N, p, k0, k1); break;
+    case 13: block<13, NP, L, H>(x, 1, 13, K, panels, bias, y, N, p, k0, k1); break;
+    default: block<14, NP, L, H>(x, 1, 14, K, panels, bias, y, N, p, k0, k1); break;
+  }
+#else
+  constexpr int L = 8, H = kHintL1;
+  switch (n) {
+    case 3: block<3, NP, L, H>(x, 1, 3, K, panels, bias, y, N, p, k0, k1); break;
+    case 4: block<4, NP, L, H>(x, 1, 4, K, panels, bias, y, N, p, k0, k1); break;
+    case 5: block<5, NP, L, H>(x, 1, 5, K, panels, bias, y, N, p, k0, k1); break;
+    default: block<6, NP, L, H>(x, 1, 6, K, panels, bias, y, N, p, k0, k1); break;
+  }
+#endif
+}
+
+// Rows [0, M) of x against panels [p0, p1). From kBlockRowsFrom rows: x as interleave_blocks lays it out, in
+// blocks of up to kMaxBlockRows as even as they split, each panel (with AVX-512 each pair of panels) a slice of
+// kSlice inputs at a time, so that the slice, read from memory by the first block, stays in L1 for the others (a
+// whole panel does not: before, a pass of 7-16 rows ran at half the arithmetic rate of a prefill chunk; README,
+// "Passes of a few rows"). Fewer rows: x as it is, one sweep over each panel, one or two rows taking several panels
+// at once (a single chain per vector would wait on the multiply-add's latency).
 void rows_against_panels(const float* x, int64_t M, int64_t K, const float* panels, const float* bias, float* y,
                          int64_t N, int64_t p0, int64_t p1) {
-  if (M > 6) {
+  if (M >= kBlockRowsFrom) {
+    constexpr int64_t kStep = KERNEL_WIDE_REGISTERS ? 2 : 1;  // panels a block reads at once
     const int64_t blocks = (M + kMaxBlockRows - 1) / kMaxBlockRows;
-    for (int64_t p = p0; p < p1; ++p)
+    for (int64_t p = p0; p < p1; p += kStep)
       for (int64_t k0 = 0; k0 < K; k0 += kSlice) {
         const int64_t k1 = std::min(K, k0 + kSlice);
         for (int64_t b = 0; b < blocks; ++b) {
-          const int64_t r = b * M / blocks;
-          const float* xb = x + r * K;
-          float* yb = y + r * N;
-          switch ((b + 1) * M / blocks - r) {
-            case 3: block<3, 1, kWideLanes>(xb, 1, 3, K, panels, bias, yb, N, p, k0, k1); break;
-            case 4: block<4, 1, kWideLanes>(xb, 1, 4, K, panels, bias, yb, N, p, k0, k1); break;
-            case 5: block<5, 1, kWideLanes>(xb, 1, 5, K, panels, bias, yb, N, p, k0, k1); break;
-            case 6: block<6, 1, kWideLanes>(xb, 1, 6, K, panels, bias, yb, N, p, k0, k1); break;
-#if KERNEL_WIDE_REGISTERS
-            case 7: block<7, 1, kWideLanes>(xb, 1, 7, K, panels, bias, yb, N, p, k0, k1); break;
-            case 8: block<8, 1, kWideLanes>(xb, 1, 8, K, panels, bias, yb, N, p, k0, k1); break;
-            case 9: block<9, 1, kWideLanes>(xb, 1, 9, K, panels, bias, yb, N, p, k0, k1); break;
-            case 10: block<10, 1, kWideLanes>(xb, 1, 10, K, panels, bias, yb, N, p, k0, k1); break;
-            case 11: block<11, 1, kWideLanes>(xb, 1, 11, K, panels, bias, yb, N, p, k0, k1); break;
-            case 12: block<12, 1, kWideLanes>(xb, 1, 12, K, panels, bias, yb, N, p, k0, k1); break;
-            case 13: block<13, 1, kWideLanes>(xb, 1, 13, K, panels, bias, yb, N, p, k0, k1); break;
-            case 14: block<14, 1, kWideLanes>(xb, 1, 14, K, panels, bias, yb, N, p, k0, k1); break;
-            case 15: block<15, 1, kWideLanes>(xb, 1, 15, K, panels, bias, yb, N, p, k0, k1); break;
-            default: block<16, 1, kWideLanes>(xb, 1, 16, K, panels, bias, yb, N, p, k0, k1); break;
-#else
-            default: block<6, 1, kWideLanes>(xb, 1, 6, K, panels, bias, yb, N, p, k0, k1); break;
-#endif
-          }
+          const int64_t r = b * M / blocks, n = (b + 1) * M / blocks - r;
+          if (kStep == 2 && p + 1 < p1) block_of<2>(n, x + r * K, K, panels, bias, y + r * N, N, p, k0, k1);
+          else block_of<1>(n, x + r * K, K, panels, bias, y + r * N, N, p, k0, k1);
         }
       }
     return;
@@ -168,16 +189,16 @@ void rows_against_panels(const float* x, int64_t M, int64_t K, const float* pane
   switch (M) {
     case 1:
       for (; p + 4 <= p1; p += 4) block<1, 4>(x, K, 1, K, panels, bias, y, N, p, 0, K);
-      for (; p < p1; ++p) block<1, 1>(x, K, 1, K, panels, bias, y, N, p, 0, K);
+      for (; p < p1; ++p) block<1, 1, 8, kHintL1>(x, K, 1, K, panels, bias, y, N, p, 0, K);
       break;
     case 2:
       for (; p + 2 <= p1; p += 2) block<2, 2>(x, K, 1, K, panels, bias, y, N, p, 0, K);
-      for (; p < p1; ++p) block<2, 1>(x, K, 1, K, panels, bias, y, N, p, 0, K);
+      for (; p < p1; ++p) block<2, 1, 8, kHintL1>(x, K, 1, K, panels, bias, y, N, p, 0, K);
       break;
-    case 3: for (; p < p1; ++p) block<3, 1>(x, K, 1, K, panels, bias, y, N, p, 0, K); break;
-    case 4: for (; p < p1; ++p) block<4, 1>(x, K, 1, K, panels, bias, y, N, p, 0, K); break;
-    case 5: for (; p < p1; ++p) block<5, 1>(x, K, 1, K, panels, bias, y, N, p, 0, K); break;
-    default: for (; p < p1; ++p) block<6, 1>(x, K, 1, K, panels, bias, y, N, p, 0, K); break;
+    case 3: for (; p < p1; ++p) block<3, 1, 8, kHintL1>(x, K, 1, K, panels, bias, y, N, p, 0, K); break;
+    case 4: for (; p < p1; ++p) block<4, 1, 8, kHintL1>(x, K, 1, K, panels, bias, y, N, p, 0, K); break;
+    case 5: for (; p < p1; ++p) block<5, 1, 8, kHintL1>(x, K, 1, K, panels, bias, y, N, p, 0, K); break;
+    default: for (; p < p1; ++p) block<6, 1, 8, kHintL1>(x, K, 1, K, panels, bias, y, N, p, 0, K); break;
   }
 }
 
@@ -230,11 +251,11 @@ at::Tensor packed_linear(const at::Tensor& x_in, const at::Tensor& panels, const
   const float* xp = x.data_ptr<float>();
   const float* w = panels.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  std::vector<float> interleaved(M > 6 ? std::min(M, kRowsPerChunk) * K : 0);
+  std::vector<float> interleaved(M >= kBlockRowsFrom ? std::min(M, kRowsPerChunk) * K : 0);
   for (int64_t m = 0; m < M; m += kRowsPerChunk) {  // big M (prefill): x's chunk stays in cache across panels
     const int64_t rows = std::min(kRowsPerChunk, M - m);
     const float* xm = xp + m * K;
-    if (rows > 6) {
+    if (rows >= kBlockRowsFrom) {
       interleave_blocks(xm, rows, K, interleaved.data());
       xm = interleaved.data();
     }

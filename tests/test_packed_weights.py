@@ -62,15 +62,15 @@ def test_a_packed_linear_is_the_linear_for_any_shape_and_rows(shape):
 
 def test_a_rows_result_does_not_depend_on_the_rest_of_its_pass():
     """Each output is one chain of multiply-adds in input order, however the pass is blocked and its inputs
-    sliced: a row alone and the same row anywhere in passes of 2 to 70 rows (every block size and split, of 6 rows
-    at most with 8-float vectors and of 16 with 16-float ones, 300 inputs in two slices, and past a chunk) come out
-    bit for bit the same."""
+    sliced: a row alone and the same row anywhere in passes of 2 to 131 rows (every block size and split, of 6 rows
+    at most with 8-float vectors and of 14 with 16-float ones, panels one or two at a time (13 of them: an odd one
+    left), 300 inputs in two slices, and past a chunk) come out bit for bit the same."""
     torch.manual_seed(3)
     packed = packed_weights.PackedLinear(nn.Linear(300, 200))
     row = torch.randn(1, 300)
     with torch.inference_mode():
         alone = packed(row)
-        for rows in (*range(2, 18), 33, 48, 64, 70):
+        for rows in (*range(2, 18), 28, 29, 33, 48, 64, 70, 131):
             for at in (0, rows // 2, rows - 1):
                 x = torch.randn(rows, 300)
                 x[at] = row[0]
