@@ -5,7 +5,9 @@ steps first, then prefill chunks up to a token budget, so a long prefill never h
 back for long) and runs each batch on the stage's single compute thread. Steps that arrive
 while a batch runs join the next one: sessions enter and leave the running batch freely.
 A batch of one short decode step runs on the event loop itself: the hop to the compute thread
-and back would cost more than the step saves by leaving the loop free.
+and back would cost more than the step saves by leaving the loop free. A stage before the last of its chain runs
+its decode steps in groups (BatcherConfig.decode_groups), so that the chain's stages work on different groups at
+once instead of taking turns on one.
 
 One request cannot cost another its step: a pass that fails is run again one step at a time, so
 only the step that fails alone fails (its KV positions are rewritten on the retry, and a session's
@@ -20,6 +22,7 @@ import asyncio
 import statistics
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -73,14 +76,16 @@ class StepResult:
 
 class StepBatcher:
     def __init__(self, model: StageModel, config: BatcherConfig, executor: ThreadPoolExecutor,
-                 warm_step_ms: float = 0.0, full_pass_ms: float = 0.0):
-        """executor: the stage's one compute thread (StageServer.compute)."""
+                 warm_step_ms: float = 0.0, full_pass_ms: float = 0.0, open_sessions: Callable[[], int] | None = None):
+        """executor: the stage's one compute thread (StageServer.compute). open_sessions: how many sessions the
+        stage holds, which sizes a group of decode steps (BatcherConfig.decode_groups); None: no groups."""
         self.model = model
         self.device = model.device
         self.config = config
         self.queue: deque[StepRequest] = deque()
         self.wakeup = asyncio.Event()
         self.executor = executor
+        self.open_sessions = open_sessions
         # A lone short pass may run inline on the event loop, unless torch work there would start a second
         # OpenMP thread team beside the compute thread's (StageServer.compute says what that costs).
         self.may_inline = model.device.type != "cpu" or torch.get_num_threads() == 1
@@ -161,14 +166,20 @@ class StepBatcher:
         return max(max(self.recent_pass_ms, default=0.0), self.full_pass_ms)
 
     def _take_batch(self) -> list[StepRequest]:
-        """Aged steps first (oldest first), then decode steps, then prefill chunks, within the budget."""
+        """Aged steps first (oldest first), then decode steps up to a group (oldest first), then prefill chunks,
+        within the budget."""
         aged = [r for r in self.queue if r.passes_skipped >= AGED_AFTER_PASSES]
         decode = [r for r in self.queue if r.length == 1 and r.passes_skipped < AGED_AFTER_PASSES]
         prefill = [r for r in self.queue if r.length > 1 and r.passes_skipped < AGED_AFTER_PASSES]
         batch, tokens, seen = [], 0, set()
+        decode_room = self._decode_group()
         for r in aged + decode + prefill:
             if r.session.session_id in seen:
                 continue  # one step per session per pass: the next starts where this one ends
+            if r.length == 1 and r.passes_skipped < AGED_AFTER_PASSES:
+                if decode_room == 0:
+                    continue  # the next group: the next pass takes it first (not aged: the queue keeps its order)
+                decode_room -= 1
             if batch and tokens + r.length > self.config.max_batch_tokens:
                 r.passes_skipped += 1
                 continue
@@ -178,6 +189,14 @@ class StepBatcher:
         taken = {id(r) for r in batch}
         self.queue = deque(r for r in self.queue if id(r) not in taken)
         return batch
+
+    def _decode_group(self) -> int:
+        """How many decode steps this pass may take (BatcherConfig.decode_groups): on a stage before the last, a
+        group's share of the open sessions; else all (-1)."""
+        groups = self.config.decode_groups
+        if self.model.is_last or groups <= 1 or self.open_sessions is None:
+            return -1
+        return max(self.config.decode_group_min_rows, -(-self.open_sessions() // groups))
 
     async def _run_forever(self) -> None:
         loop = asyncio.get_running_loop()

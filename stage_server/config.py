@@ -22,6 +22,14 @@ class BatcherConfig:
     inline_max_ms: float = 5.0
     """A lone decode step runs on the event loop while the last decode pass took less than this (0: never);
     above it the hop to the compute thread costs less than holding the loop."""
+    decode_groups: int = 2
+    """A stage that is not the last of its chain runs at most 1/N of its open sessions' decode steps (N: this)
+    in one pass (never fewer than --decode-group-min-rows), so that its chain holds that many groups of steps in
+    flight: while the next stage runs one group, this one runs the next, where one pass of every step left each
+    stage idle while the others ran it (1: one pass takes every waiting step)."""
+    decode_group_min_rows: int = 16
+    """The fewest decode steps a group holds: below ~16 rows a pass costs about what the weights take to read,
+    and two small passes cost twice one."""
 
     def __post_init__(self) -> None:
         if not self.batch_window_ms >= 0:
@@ -30,6 +38,10 @@ class BatcherConfig:
             raise refused(self, "max_batch_tokens", "must be >= 1 token (a pass of 2048 is ordinary)")
         if not self.inline_max_ms >= 0:
             raise refused(self, "inline_max_ms", "must be >= 0 milliseconds (0: every pass on the compute thread)")
+        if not self.decode_groups >= 1:
+            raise refused(self, "decode_groups", "must be >= 1 (1: one pass takes every waiting decode step)")
+        if not self.decode_group_min_rows >= 1:
+            raise refused(self, "decode_group_min_rows", "must be >= 1 decode step")
 
 
 STEP_HEADROOM_BYTES = 1 << 20

@@ -289,7 +289,9 @@ class StageServer:
                  f"~{warm.full_pass_ms:.0f} ms", extra={"stage": self.address})
         self.sessions = SessionTable(self.pool, args.max_position, LogBudget(int(config.output_log_gb * 2**30)),
                                      prefix_cache=config.prefix_cache and config.tp == 1)
-        self.batcher = StepBatcher(model, config.batcher, self.compute, warm.step_ms, warm.full_pass_ms)
+        sessions = self.sessions
+        self.batcher = StepBatcher(model, config.batcher, self.compute, warm.step_ms, warm.full_pass_ms,
+                                   open_sessions=lambda: len(sessions))
         self.batcher.start()
         self.model = model
         self.slot.current = StageService(model, self.sessions, self.batcher, config.model_name, self.fingerprint,
