@@ -82,7 +82,8 @@ def test_decode_passes_a_layer_per_call_match_transformers(layer_models, family)
 def test_a_layer_per_call_is_the_layer_op_by_op(layer_models, family):
     """A split's middle stage (hidden states in and out), the same decode pass of 1 to 5 sessions run both ways,
     each from the same pool contents: outputs within float32 rounding (1e-5), and the K/V each step wrote bit for
-    bit the same (rotary embedding rounds as torch's ops do)."""
+    bit the same (rotary embedding rounds as torch's ops do). Each case brings a new pool: the views of the pool a
+    layer keeps between calls follow it."""
     model = fused_model(layer_models[family], 1, 2)
     one_call = model.decode_layer
     a = model.args
