@@ -40,7 +40,8 @@ class Route:
     wire_dtype: str = ""
     previous_address: str = ""
     repairable: bool = False
-    """A broken link does not end the session here: its router repairs the chain (Reroute) or closes it."""
+    """A broken link (or a next stage that no longer holds the session) does not end the session here: its
+    router repairs the chain (Reroute) or closes it."""
     feed: asyncio.Queue | None = field(default=None, repr=False)
     """The router's stream: results (ForwardResponse) and the session's fault (an exception) go here."""
     held: list = field(default_factory=list, repr=False)

@@ -325,8 +325,16 @@ class StageService(stage_pb2_grpc.StageServicer):
             self._fail(sid, StatusError(code, f"next stage {address} unreachable: {details}"), link=True)
 
     def _relay_refused(self, address: str, status: stage_pb2.RelayStatus) -> None:
+        """A relayed step the next stage did not take. NOT_FOUND: it no longer holds the session (it stopped or
+        swapped its slice, or its router's stream to it ended), which is that stage's failure, as a broken link is:
+        a repairable session stays open here for its router, which hears that stage itself and re-points this one."""
         code = next((c for c in grpc.StatusCode if c.value[0] == status.code), grpc.StatusCode.UNKNOWN)
-        self._fail(status.session_id, StatusError(code, f"next stage {address}: {status.details}"))
+        lost = code == grpc.StatusCode.NOT_FOUND
+        session = self.sessions.sessions.get(status.session_id)
+        if lost and session is not None and session.route.repairable:
+            log.info(f"next stage {address} refused a relayed step ({status.details}): the session stays open "
+                     "for its router's repair", extra=self._extra(session.session_id, session.request_id))
+        self._fail(status.session_id, StatusError(code, f"next stage {address}: {status.details}"), link=lost)
 
     def _to_step(self, request: stage_pb2.ForwardRequest, session: Session, inputs: torch.Tensor) -> StepRequest:
         n, cache = inputs.shape[0], session.cache

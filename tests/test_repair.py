@@ -15,6 +15,7 @@ import torch
 
 from router import repair
 from router.chain_client import Chain, ChainSession, StageEndpoint
+from router.forwarding import ForwardingSession
 from router.step_values import Sampling
 from stage_server.output_log import LogBudget, OutputLog
 from stagemesh import grpc_server, tensor_codec, wire
@@ -206,6 +207,47 @@ async def test_a_forwarding_stream_is_repaired_exact_and_every_session_closed_af
         assert all(s.sessions.log_budget.used_bytes == 0 for s in live)
     finally:
         await mesh.stop()
+
+
+async def test_a_next_stage_that_lost_the_session_leaves_it_to_the_routers_repair(tiny_model, hf_models, caplog):
+    """The router's stream to a middle stage ends (the stage keeps serving but closed the sessions it carried, as
+    a stage that stops or swaps its slice does); the first stage's next relayed step is refused there (NOT_FOUND).
+    A repairable session outlives that refusal at the first stage, as it outlives a broken link: the router hears
+    the middle stage itself, and the repair re-points the first stage at the new one, exact (CI's race: the
+    refusal closed the first stage's session, and the stream was replayed instead)."""
+    caplog.set_level(logging.INFO, logger="stagemesh.stage")
+    mesh = await start_mesh(tiny_model, [LAYOUT, LAYOUT], router=False)
+    try:
+        a = mesh.stages[0]
+        chain = Chain([StageEndpoint(s.address, lo, hi) for s, (lo, hi) in zip(a, LAYOUT, strict=True)])
+        spare = endpoints(mesh.stages[1])[1]
+        ids = prompt(20, seed=95)
+        history = list(ids)
+        async with ForwardingSession(chain, 96, "refused", keep_output=True) as session:
+            history.append((await session.step(ids, sampling=Sampling(), chunk_size=8)).token_id)
+            history.append((await session.step(history[-1:], sampling=Sampling())).token_id)
+            session._muxes[1].call.cancel()  # the router's stream to the middle stage ends
+            await _until(lambda: _closed(a[1]), 10, "the middle stage closed the session")
+            with pytest.raises(grpc.aio.AioRpcError):
+                await session.step(history[-1:], sampling=Sampling())
+            assert session.failed_stage == 1
+            refused = f"next stage {a[1].address}"
+            await _until(lambda: _logged(caplog, refused), 10, "the first stage heard the refusal")
+            assert session.session_id in a[0].sessions.sessions  # kept for the router's repair
+            history.append((await repair.forwarding_repair(session, spare, history, 8)).token_id)
+            while len(history) < len(ids) + 12:
+                history.append((await session.step(history[-1:], sampling=Sampling())).token_id)
+        assert history[len(ids):] == hf_greedy(hf_models["llama"], ids, 12)
+    finally:
+        await mesh.stop()
+
+
+async def _closed(stage) -> bool:
+    return not stage.sessions.sessions
+
+
+async def _logged(caplog, text: str) -> bool:
+    return text in caplog.text
 
 
 # The process test: two chains of three stages (real processes behind link proxies), the middle stage of the
