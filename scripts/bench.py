@@ -47,6 +47,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from stagemesh.processes import peak_rss_bytes  # noqa: E402 (the repository's root first)
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
@@ -205,17 +207,6 @@ def foreign_share(before: tuple[float, float], wall_s: float) -> float:
     return max(0.0, (busy - before[0]) - (ours - before[1])) / (wall_s * (os.cpu_count() or 1))
 
 
-def vm_hwm_bytes(pid: int | str = "self") -> int | None:
-    """Peak resident set size of a process (Linux /proc; None elsewhere)."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 # --------------------------------------------------------------------------------------------------
 # Workers: run in a subprocess of this script (python scripts/bench.py --worker NAME --spec F --result F)
 
@@ -350,7 +341,7 @@ def transformers_worker(spec: dict) -> dict:
             result.concurrency_tokens.setdefault(str(level), []).append(produced)
 
     result.seconds = time.perf_counter() - started
-    result.peak_rss_bytes = {"transformers": vm_hwm_bytes() or 0}
+    result.peak_rss_bytes = {"transformers": peak_rss_bytes() or 0}
     result.weight_bytes = {"transformers": sum(p.numel() * p.element_size() for p in model.parameters())}
     return asdict(result)
 
@@ -499,7 +490,7 @@ def mesh_memory(mesh, result: SystemResult) -> None:
                 info = stage_pb2_grpc.StageStub(channel).Info(stage_pb2.InfoRequest(), timeout=10)
             result.peak_rss_bytes[proc.name] = info.peak_rss_bytes
             result.weight_bytes[proc.name] = info.weight_bytes
-        elif (rss := vm_hwm_bytes(proc.popen.pid)) is not None:
+        elif (rss := peak_rss_bytes(proc.popen.pid)) is not None:
             result.peak_rss_bytes[proc.name] = rss
 
 

@@ -29,6 +29,7 @@ import torch.compiler
 from stage_server.decode_graph import decode_pass_fn, key_blocks
 from stage_server.kv_pool import KVPool
 from stage_server.model import StageModel, StepSlice
+from stage_server.pass_plan import int_tensor
 
 log = logging.getLogger("stagemesh.stage")
 
@@ -72,8 +73,8 @@ class CompiledDecode:
         pool = steps[0].cache.pool
         end = max(st.start for st in steps) + 1
         nb = key_blocks(steps)
-        table = torch.tensor([st.cache.block_table(nb) for st in steps], device=inputs.device)  # [B, nb]
-        pos = torch.tensor([st.start for st in steps], device=inputs.device)  # [B]
+        table = int_tensor([b for st in steps for b in st.cache.block_table(nb)], inputs.device).view(len(steps), nb)
+        pos = int_tensor([st.start for st in steps], inputs.device)  # [B]
         cos, sin = self.model.rope(end, self.model.dtype)
         if self._rope_marked is not cos:  # the pool and the rope tables are static: their sizes never vary
             for t in (cos, sin, pool.k, pool.v):

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stage_server.pass_plan import AttentionGroup, DecodeAttention, PassPlan, StepSlice, plan_pass
+from stage_server.pass_plan import AttentionGroup, DecodeAttention, PassPlan, StepSlice, int_tensor, plan_pass
 from stagemesh.checkpoint import ModelArgs
 
 
@@ -242,5 +242,5 @@ class StageModel(nn.Module):
         if len(steps) == x.shape[0]:  # every step is one token: each row is a step's last
             last = x
         else:
-            last = x[torch.tensor([st.offset + st.length - 1 for st in steps], device=x.device)]
+            last = x[int_tensor([st.offset + st.length - 1 for st in steps], x.device)]
         return self.lm_head(self.norm(last)).float()  # [len(steps), vocab]

@@ -33,25 +33,13 @@ from stage_server.sessions import (
 from stage_server.step_inputs import decode_inputs
 from stagemesh import metrics, tensor_codec
 from stagemesh.errors import ErrorCodes, StatusError, request_id_of
+from stagemesh.processes import peak_rss_bytes
 from stagemesh.request_limits import InvalidSampling
 from stagemesh.tls import Tls
 from stagemesh.v1 import stage_pb2, stage_pb2_grpc
 
 log = logging.getLogger("stagemesh.stage")
 _WIRE_IN, _WIRE_OUT = metrics.WIRE_BYTES.labels("in"), metrics.WIRE_BYTES.labels("out")
-
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident memory. VmHWM, unlike ru_maxrss, is not inherited across exec
-    from a fat parent process."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 ERROR_CODES: ErrorCodes = {
@@ -382,7 +370,7 @@ class StageService(stage_pb2_grpc.StageServicer):
             vocab_size=args.vocab_size,
             max_position=args.max_position,
             weight_bytes=weight_bytes,
-            peak_rss_bytes=peak_rss_bytes(),
+            peak_rss_bytes=peak_rss_bytes() or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             open_sessions=len(self.sessions),
             kv_used_bytes=self.sessions.pool.used_bytes,
             kv_capacity_bytes=self.sessions.pool.capacity_bytes,

@@ -24,6 +24,18 @@ STOP_ORDER = ("router", "stage", "scheduler", "registry")
 """Who is told to stop first: callers' streams drain at the router while the stages still serve them."""
 
 
+def peak_rss_bytes(pid: int | str = "self") -> int | None:
+    """A process's peak resident memory (VmHWM, which unlike ru_maxrss is not inherited across exec from a fat
+    parent); None where /proc has none."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 @dataclass
 class Process:
     name: str

@@ -13,13 +13,13 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from router.generation import GenerationConfig
-from stage_server import paged_attention
+from stage_server import paged_attention, pass_plan
 from stage_server.batcher import StepBatcher, StepRequest
 from stage_server.config import BatcherConfig
 from stage_server.kv_pool import KVPool, PoolExhausted, Preempted
 from stage_server.loader import load_stage
 from stage_server.model import StageModel, StepSlice
-from stage_server.pass_plan import MAX_DECODE_GROUPS, MAX_DECODE_PADDING, length_buckets
+from stage_server.pass_plan import MAX_DECODE_GROUPS, MAX_DECODE_PADDING, length_buckets, plan_pass
 from stage_server.sessions import SessionTable
 from stagemesh import tensor_codec
 from stagemesh.tiny_model import make_tiny_model
@@ -184,6 +184,33 @@ def test_decode_steps_are_attended_in_a_few_groups_of_similar_lengths():
     assert longest == sorted(longest, reverse=True) and longest[0] == 700
     assert length_buckets(steps, max_groups=1) == [steps]
     assert length_buckets([]) == []
+
+
+def test_a_pass_of_decode_steps_alone_is_planned_as_any_pass():
+    """The paged decode plan (one tensor viewed five ways) holds what the general plan's group and slots do, for
+    sessions whose blocks interleave in the pool and whose tables differ in width."""
+    kv = pool(40)
+    caches = [kv.allocate(64) for _ in range(4)]
+    for end in range(1, 23):  # grown in turns: each session's blocks are scattered through the pool
+        for c, grow_to in zip(caches, (end, end // 2 + 1, 3, end + 9), strict=True):
+            kv.grow(c, grow_to)
+    steps = []
+    for i, c in enumerate(caches):
+        c.length = max(kv.blocks_for(1), len(c.blocks) * kv.block_size - 2)  # a step at a position it holds
+        steps.append(StepSlice(c, i, c.length, 1))
+    rope = (torch.randn(128, 8), torch.randn(128, 8))
+    plan = plan_pass(steps, kv, rope, torch.device("cpu"), lambda *args: None)  # planned with a kernel, never run
+    general = pass_plan._group(steps, kv, torch.device("cpu"), True)
+    positions = torch.tensor([st.start for st in steps])
+    slots = [s for st in steps for s in kv.slots(st.cache, st.start, st.start + 1)]
+    (group,) = plan.groups
+    assert plan.in_order and plan.slots.tolist() == slots
+    assert torch.equal(plan.cos, rope[0][positions, None]) and torch.equal(plan.sin, rope[1][positions, None])
+    for name in ("size", "q_len", "k_len"):
+        assert getattr(group, name) == getattr(general, name)
+    for name in ("rows", "table", "q_pos", "ends"):
+        assert torch.equal(getattr(group, name), getattr(general, name)), name
+    assert group.valid is None and group.gather is None
 
 
 # --- every exit path gives the blocks back ------------------------------------------------------------
