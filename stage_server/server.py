@@ -276,8 +276,9 @@ class StageServer:
         await self.deactivate()
         config, args = self.config, model.args
         kv_bytes = int(config.kv_cache_gb * 2**30) if config.kv_cache_gb else default_kv_bytes(model.device)
-        self.pool = KVPool(kv_bytes, len(model.layers), args.num_kv_heads, args.head_dim, model.dtype, model.device,
-                           config.kv_block_size, config.kv_lookahead_blocks)
+        # On the compute thread (self.compute): zeroing the null block is a parallel region on a large pool.
+        self.pool = await self.in_compute(KVPool, kv_bytes, len(model.layers), args.num_kv_heads, args.head_dim,
+                                          model.dtype, model.device, config.kv_block_size, config.kv_lookahead_blocks)
         warm = await self.in_compute(warm_up, model, self.pool, config.batcher.max_batch_tokens, config.cuda_graphs)
         warm_s = warm.seconds
         compiled = (f" with torch.compile ({compiled_graphs(model)} decode graphs)" if is_compiled(model)

@@ -18,8 +18,8 @@ from tests.test_traffic import request
 
 
 async def test_a_two_thread_stage_loads_warms_up_and_runs_every_pass_on_its_compute_thread(tiny_model, monkeypatch):
-    ran_on: dict[str, set[int]] = {"load": set(), "pass": set()}
-    real_load, real_forward = server_module.load_stage, StageModel.forward
+    ran_on: dict[str, set[int]] = {"load": set(), "pool": set(), "pass": set()}
+    real_load, real_forward, real_pool = server_module.load_stage, StageModel.forward, server_module.KVPool
 
     def load_stage(*args, **kwargs):
         ran_on["load"].add(threading.get_ident())
@@ -29,7 +29,12 @@ async def test_a_two_thread_stage_loads_warms_up_and_runs_every_pass_on_its_comp
         ran_on["pass"].add(threading.get_ident())
         return real_forward(self, inputs, steps)
 
+    def kv_pool(*args, **kwargs):  # zeroes its null block: a parallel region on a large pool
+        ran_on["pool"].add(threading.get_ident())
+        return real_pool(*args, **kwargs)
+
     monkeypatch.setattr(server_module, "load_stage", load_stage)
+    monkeypatch.setattr(server_module, "KVPool", kv_pool)
     monkeypatch.setattr(StageModel, "forward", forward)
     threads_before = torch.get_num_threads()
     mesh = Mesh()
@@ -43,7 +48,7 @@ async def test_a_two_thread_stage_loads_warms_up_and_runs_every_pass_on_its_comp
         ids, _, _ = await collect(mesh.router_stub.Generate(request([5, 6, 7, 8], 12)))
         assert len(ids) == 12
         compute_thread = server.compute.submit(threading.get_ident).result()
-        assert ran_on == {"load": {compute_thread}, "pass": {compute_thread}}
+        assert ran_on == {"load": {compute_thread}, "pool": {compute_thread}, "pass": {compute_thread}}
         assert threading.get_ident() != compute_thread  # not the event loop's
     finally:
         await mesh.stop()
