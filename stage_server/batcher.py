@@ -76,9 +76,11 @@ class StepResult:
 
 class StepBatcher:
     def __init__(self, model: StageModel, config: BatcherConfig, executor: ThreadPoolExecutor,
-                 warm_step_ms: float = 0.0, full_pass_ms: float = 0.0, open_sessions: Callable[[], int] | None = None):
-        """executor: the stage's one compute thread (StageServer.compute). open_sessions: how many sessions the
-        stage holds, which sizes a group of decode steps (BatcherConfig.decode_groups); None: no groups."""
+                 warm_step_ms: float = 0.0, full_pass_ms: float = 0.0, open_sessions: Callable[[], int] | None = None,
+                 compute_threads: int | None = None):
+        """executor: the stage's one compute thread (StageServer.compute), running torch on compute_threads (None:
+        as many as this thread). open_sessions: how many sessions the stage holds, which sizes a group of decode
+        steps (BatcherConfig.decode_groups); None: no groups."""
         self.model = model
         self.device = model.device
         self.config = config
@@ -86,9 +88,9 @@ class StepBatcher:
         self.wakeup = asyncio.Event()
         self.executor = executor
         self.open_sessions = open_sessions
-        # A lone short pass may run inline on the event loop, unless torch work there would start a second
-        # OpenMP thread team beside the compute thread's (StageServer.compute says what that costs).
-        self.may_inline = model.device.type != "cpu" or torch.get_num_threads() == 1
+        # A lone short pass may run inline on the event loop only where the compute thread runs torch on one
+        # thread: the event loop's is held to one (compute_thread.py), and would run a wider pass narrower.
+        self.may_inline = model.device.type != "cpu" or (compute_threads or torch.get_num_threads()) == 1
         self.recent_decode_ms: deque[float] = deque(maxlen=64)
         self.recent_pass_ms: deque[float] = deque(maxlen=64)  # every kind of pass
         self.warm_step_ms, self.full_pass_ms = warm_step_ms, full_pass_ms

@@ -7,7 +7,6 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -19,6 +18,7 @@ from grpc_health.v1 import health_pb2
 from stage_server import decode_layer, packed_weights, paged_attention
 from stage_server.batcher import StepBatcher
 from stage_server.compiled import compile_stage, compiled_graphs, is_compiled, warm_up_decode
+from stage_server.compute_thread import compute_executor, hold_to_one_thread
 from stage_server.config import StageConfig, max_step_bytes, split_host_port
 from stage_server.cuda_graphs import capture_decode_graphs
 from stage_server.kv_pool import KVPool, PoolExhausted
@@ -204,11 +204,7 @@ class StageServer:
         self.batcher: StepBatcher | None = None
         self.stalled = False
         self._tasks: list[asyncio.Task] = []
-        # Every load, warm-up and pass of this stage runs on this one thread. OpenMP keeps a thread team per
-        # thread that runs parallel work, and libgomp stops spinning between parallel regions once its threads
-        # outnumber the cores: in one process on 2 cores, a second team made a 2-thread pass over the ~270M
-        # model's matrices 35 -> 47 ms (README, "Threads").
-        self.compute = ThreadPoolExecutor(1, thread_name_prefix="stage-compute")
+        self.compute = compute_executor()  # every load, pool, warm-up and pass (compute_thread.py)
 
     @property
     def bind_address(self) -> str:
@@ -276,7 +272,6 @@ class StageServer:
         await self.deactivate()
         config, args = self.config, model.args
         kv_bytes = int(config.kv_cache_gb * 2**30) if config.kv_cache_gb else default_kv_bytes(model.device)
-        # On the compute thread (self.compute): zeroing the null block is a parallel region on a large pool.
         self.pool = await self.in_compute(KVPool, kv_bytes, len(model.layers), args.num_kv_heads, args.head_dim,
                                           model.dtype, model.device, config.kv_block_size, config.kv_lookahead_blocks)
         warm = await self.in_compute(warm_up, model, self.pool, config.batcher.max_batch_tokens, config.cuda_graphs)
@@ -292,7 +287,8 @@ class StageServer:
                                      prefix_cache=config.prefix_cache and config.tp == 1)
         sessions = self.sessions
         self.batcher = StepBatcher(model, config.batcher, self.compute, warm.step_ms, warm.full_pass_ms,
-                                   open_sessions=lambda: len(sessions))
+                                   open_sessions=lambda: len(sessions),
+                                   compute_threads=await self.in_compute(torch.get_num_threads))
         self.batcher.start()
         self.model = model
         self.slot.current = StageService(model, self.sessions, self.batcher, config.model_name, self.fingerprint,
@@ -321,6 +317,7 @@ class StageServer:
 
     async def start(self, model: StageModel | None = None) -> None:
         """Starts serving: model's slice at once if given, else nothing until activate()."""
+        hold_to_one_thread()  # the event loop's torch work (compute_thread.py)
         await self.server.start()
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)

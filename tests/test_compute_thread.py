@@ -50,6 +50,11 @@ async def test_a_two_thread_stage_loads_warms_up_and_runs_every_pass_on_its_comp
         compute_thread = server.compute.submit(threading.get_ident).result()
         assert ran_on == {"load": {compute_thread}, "pool": {compute_thread}, "pass": {compute_thread}}
         assert threading.get_ident() != compute_thread  # not the event loop's
+        # Torch work that lands on the event loop all the same (an output log's rows, a tensor cast for the
+        # wire) runs there on one OpenMP thread, which starts no team; the compute thread keeps its two.
+        assert torch.get_num_threads() == 1
+        assert server.compute.submit(torch.get_num_threads).result() == 2
+        assert not server.batcher.may_inline  # a lone decode step is not run on the event loop's one thread
     finally:
         await mesh.stop()
         torch.set_num_threads(threads_before)
