@@ -42,6 +42,59 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
+#if defined(__AVX512F__)
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4)));
+typedef int32_t i16 __attribute__((vector_size(64)));
+
+// One level of the transpose-reduce below: with h the level's half width, lane i of the result is x[i] + x[i + h]
+// where i % 2h < h, else y[i - h] + y[i].
+template <int h>
+inline v16 fold(v16 x, v16 y) {
+  constexpr i16 a = {0 % (2 * h) < h ? 0 : 16 + 0 - h, 1 % (2 * h) < h ? 1 : 16 + 1 - h,
+                     2 % (2 * h) < h ? 2 : 16 + 2 - h, 3 % (2 * h) < h ? 3 : 16 + 3 - h,
+                     4 % (2 * h) < h ? 4 : 16 + 4 - h, 5 % (2 * h) < h ? 5 : 16 + 5 - h,
+                     6 % (2 * h) < h ? 6 : 16 + 6 - h, 7 % (2 * h) < h ? 7 : 16 + 7 - h,
+                     8 % (2 * h) < h ? 8 : 16 + 8 - h, 9 % (2 * h) < h ? 9 : 16 + 9 - h,
+                     10 % (2 * h) < h ? 10 : 16 + 10 - h, 11 % (2 * h) < h ? 11 : 16 + 11 - h,
+                     12 % (2 * h) < h ? 12 : 16 + 12 - h, 13 % (2 * h) < h ? 13 : 16 + 13 - h,
+                     14 % (2 * h) < h ? 14 : 16 + 14 - h, 15 % (2 * h) < h ? 15 : 16 + 15 - h};
+  constexpr i16 b = a + h;
+  return __builtin_shuffle(x, y, a) + __builtin_shuffle(x, y, b);
+}
+
+// Scores of up to 16 positions of one block against one query head (float32, D a multiple of 16): each position's
+// products summed lane-wise over D (one chain of multiply-adds per lane), then the 16 positions' 16 lanes summed
+// at once by a transpose-reduce (4 levels, 45 vector operations for 16 scores) instead of each score's own
+// horizontal sum (GCC made that a chain of 15 scalar adds per score: the kernel's largest cost, README "Scores
+// sixteen at a time"). A score depends on its own position's keys only, never on which positions share its block.
+template <int D>
+inline v16 products(const float* qg, const float* first, int64_t row, int64_t count, int64_t jj) {
+  v16 acc = {};
+  if (jj < count) {
+    const float* r = first + jj * row;
+    for (int d = 0; d < D; d += 16)
+      acc += *reinterpret_cast<const v16u*>(qg + d) * *reinterpret_cast<const v16u*>(r + d);
+  }
+  return acc;
+}
+
+template <int D>
+inline void block_scores(const float* qg, const float* first, int64_t row, int64_t count, float* out) {
+  v16 q2[4];  // folded as the positions come: at most 4 + 3 vectors live, none spilled
+  for (int i = 0; i < 4; ++i) {
+    const v16 a = fold<1>(products<D>(qg, first, row, count, 4 * i), products<D>(qg, first, row, count, 4 * i + 1));
+    const v16 b = fold<1>(products<D>(qg, first, row, count, 4 * i + 2),
+                          products<D>(qg, first, row, count, 4 * i + 3));
+    q2[i] = fold<2>(a, b);
+  }
+  const v16 all = fold<8>(fold<4>(q2[0], q2[1]), fold<4>(q2[2], q2[3]));
+  float lanes[16];
+  *reinterpret_cast<v16u*>(lanes) = all;
+  std::memcpy(out, lanes, count * sizeof(float));
+}
+#endif
+
 // q: [B, H, D]; k, v: [slots, kvH, D] (one layer of the pool: slot = block * bs + offset); table: [B, nb] each
 // session's blocks (padded); ends: [B] one past each session's last position; out: [B, H, D].
 // Dh: the head size at compile time (0: at run time), so that the loops over it unroll.
@@ -69,6 +122,19 @@ void decode_attention_kernel(const T* q, const T* k, const T* v, const int64_t* 
       for (int64_t j0 = begin; j0 < end;) {  // scores, a block at a time
         const int64_t blk = j0 / bs, j1 = std::min(end, (blk + 1) * bs);
         const T* kb = k + (blocks[blk] - blk) * bs * row;  // position j's slot is kb + j * row
+#if defined(__AVX512F__)
+        if constexpr (std::is_same_v<T, float> && Dh > 0 && Dh % 16 == 0) {
+          for (int64_t a = j0; a < j1; a += 16) {  // 16 positions at a time (a block of 16: all of it)
+            const int64_t count = std::min<int64_t>(16, j1 - a);
+            for (int64_t h = h0; h < h1; ++h)
+              for (int64_t g = 0; g < G; ++g)
+                block_scores<Dh>(qf.data() + (h * G + g) * D, kb + a * row + h * D, row, count,
+                                 scores.data() + (h * G + g) * n + a - begin);
+          }
+          j0 = j1;
+          continue;
+        }
+#endif
         for (int64_t j = j0; j < j1; ++j) {
           for (int64_t h = h0; h < h1; ++h) {
             const T* __restrict__ r = kb + j * row + h * D;
