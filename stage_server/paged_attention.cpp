@@ -42,7 +42,7 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && !defined(__clang__)  // GCC's __builtin_shuffle
 typedef float v16 __attribute__((vector_size(64)));
 typedef float v16u __attribute__((vector_size(64), aligned(4)));
 typedef int32_t i16 __attribute__((vector_size(64)));
@@ -122,7 +122,7 @@ void decode_attention_kernel(const T* q, const T* k, const T* v, const int64_t* 
       for (int64_t j0 = begin; j0 < end;) {  // scores, a block at a time
         const int64_t blk = j0 / bs, j1 = std::min(end, (blk + 1) * bs);
         const T* kb = k + (blocks[blk] - blk) * bs * row;  // position j's slot is kb + j * row
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && !defined(__clang__)  // GCC's __builtin_shuffle
         if constexpr (std::is_same_v<T, float> && Dh > 0 && Dh % 16 == 0) {
           for (int64_t a = j0; a < j1; a += 16) {  // 16 positions at a time (a block of 16: all of it)
             const int64_t count = std::min<int64_t>(16, j1 - a);
