@@ -37,10 +37,10 @@ MAX_DECODE_GROUPS)."""
 def int_tensor(values: Iterable[int], device: torch.device, dtype: str = "q") -> torch.Tensor:
     """A 1-D int64 tensor of values (dtype "B": bool) on device. torch.tensor of a Python list infers its type
     element by element (~0.1 us each: 84 us for a 700-int table); through an array it is one copy (~11 us)."""
-    packed = array(dtype, values)
+    packed, torch_dtype = array(dtype, values), torch.int64 if dtype == "q" else torch.bool
     if not packed:
-        return torch.empty(0, dtype=torch.int64 if dtype == "q" else torch.bool, device=device)
-    t = torch.frombuffer(packed, dtype=torch.int64 if dtype == "q" else torch.bool)  # keeps packed alive
+        return torch.empty(0, dtype=torch_dtype, device=device)
+    t = torch.frombuffer(packed, dtype=torch_dtype)  # keeps packed alive
     return t if device.type == "cpu" else t.to(device)
 
 
@@ -133,12 +133,14 @@ def _paged_decode_plan(steps: list[StepSlice], pool: KVPool, cos: torch.Tensor, 
     """plan_pass for a pass of decode steps only, attended by the paged kernel: one group in the pass's order.
     Its integers (positions, slots, rows, ends, block tables) go to the device as one tensor, viewed five ways:
     a tiny model's lone decode step spent ~11 us more on the general plan's separate tensors."""
-    bs, n = pool.block_size, len(steps)
+    n = len(steps)
     k_len = max(st.start for st in steps) + 1
     width = pool.blocks_for(k_len)
     positions = [st.start for st in steps]
-    slots = [st.cache.blocks[p // bs] * bs + p % bs for st, p in zip(steps, positions, strict=True)]
-    flat = [*positions, *slots, *range(n), *(p + 1 for p in positions)]
+    flat = [*positions]
+    for st in steps:
+        flat.extend(pool.slots(st.cache, st.start, st.start + 1))
+    flat.extend([*range(n), *(p + 1 for p in positions)])
     for st in steps:
         flat.extend(st.cache.block_table(width))
     ints = int_tensor(flat, device)
