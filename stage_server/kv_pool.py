@@ -42,6 +42,8 @@ from dataclasses import dataclass, field
 import psutil
 import torch
 
+from stage_server import huge_pages
+
 NULL_BLOCK = 0
 """Reserved, zeroed: pads gathered views; never a session's."""
 
@@ -86,7 +88,8 @@ class SessionCache:
 
 class KVPool:
     def __init__(self, capacity_bytes: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu", block_size: int = 16, lookahead_blocks: int = 4):
+                 device: torch.device | str = "cpu", block_size: int = 16, lookahead_blocks: int = 4,
+                 huge: bool = True):
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.dtype, self.device = dtype, torch.device(device)
         self.block_size, self.lookahead_blocks = block_size, lookahead_blocks
@@ -103,9 +106,14 @@ class KVPool:
             # k, v: [num_layers_in_stage, num_blocks * block_size, num_kv_heads, head_dim]; slot = block * bs + offset.
             # Slot-major: a position's K (or V) for every kv head is one row, a block one run of memory, which the
             # paged attention kernel (paged_attention.cpp) reads in place.
-            self.k = torch.empty(num_layers, slots, num_kv_heads, head_dim, dtype=dtype, device=self.device)
-            self.v = torch.empty_like(self.k)
-        except (torch.OutOfMemoryError, MemoryError, RuntimeError) as exc:
+            # On the CPU with huge, on 2 MiB pages: decode attention streams the pool (huge_pages.py).
+            shape = (num_layers, slots, num_kv_heads, head_dim)
+            if self.device.type == "cpu":
+                self.k, self.v = huge_pages.zeros(shape, dtype, huge), huge_pages.zeros(shape, dtype, huge)
+            else:
+                self.k = torch.empty(shape, dtype=dtype, device=self.device)
+                self.v = torch.empty_like(self.k)
+        except (torch.OutOfMemoryError, MemoryError, RuntimeError, OSError) as exc:
             raise PoolTooLarge(f"the device could not hold a KV pool of {capacity_bytes / 2**30:.1f} GiB "
                                f"({type(exc).__name__}); start the stage with a smaller --kv-cache-gb") from None
         self.k[:, :block_size].zero_()

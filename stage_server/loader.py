@@ -12,6 +12,7 @@ from tqdm import tqdm
 from transformers import AutoConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from stage_server import huge_pages
 from stage_server.model import StageModel
 from stage_server.quantize import int8_rows, int8_weight_only
 from stage_server.tensor_parallel import rank_args, shard_of
@@ -77,6 +78,7 @@ def load_stage(
     device: str | torch.device = "cpu",
     int8_linears: bool = False,
     tp: tuple[int, int] = (0, 1),
+    huge: bool = True,
 ) -> StageModel:
     """Builds the slice and reads only its own tensors from the checkpoint. With int8_linears every
     Linear becomes stage_server.quantize.Int8WeightLinear, each weight quantized on the CPU as it is
@@ -122,7 +124,7 @@ def load_stage(
         if transposed:
             # Linear weights laid out as their transpose ([in, out] in memory): F.linear of one
             # token (a GEMV, every decode step) is ~20% faster over it on CPU in float32.
-            t = torch.empty(shape[1], shape[0], dtype=dtype, device=device).t()
+            t = huge_pages.zeros((shape[1], shape[0]), dtype, huge).t()  # streamed every step: on 2 MiB pages
         else:  # int8: assembled on the CPU, then quantized and moved
             t = torch.empty(shape, dtype=dtype, device="cpu" if int8_linears else device)
         row = 0

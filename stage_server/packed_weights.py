@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stage_server import cpu_kernels
+from stage_server import cpu_kernels, huge_pages
 from stage_server.model import RMSNorm, StageModel, replace_linears
 
 PANEL = 16
@@ -42,10 +42,11 @@ def available(model: StageModel) -> str | None:
     return None
 
 
-def panels_of(weight: torch.Tensor) -> torch.Tensor:
-    """weight [N, K] (any strides) as panels [ceil(N / 16), K, 16], the last padded with zero columns."""
+def panels_of(weight: torch.Tensor, huge: bool = True) -> torch.Tensor:
+    """weight [N, K] (any strides) as panels [ceil(N / 16), K, 16], the last padded with zero columns; with huge,
+    on 2 MiB pages (huge_pages.py: the panels are streamed every step)."""
     n, k = weight.shape
-    panels = weight.new_zeros(-(-n // PANEL), k, PANEL)
+    panels = huge_pages.zeros((-(-n // PANEL), k, PANEL), weight.dtype, huge)
     whole = n // PANEL
     panels[:whole].copy_(weight[:whole * PANEL].unflatten(0, (whole, PANEL)).transpose(1, 2))
     if n % PANEL:
@@ -56,11 +57,11 @@ def panels_of(weight: torch.Tensor) -> torch.Tensor:
 class PackedLinear(nn.Module):
     """A float32 Linear whose weight is held as panels only, multiplied by stagemesh::packed_linear."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, huge: bool = True):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         with torch.no_grad():
-            self.panels = nn.Parameter(panels_of(linear.weight), requires_grad=False)
+            self.panels = nn.Parameter(panels_of(linear.weight, huge), requires_grad=False)
             padding = self.panels.shape[0] * PANEL - self.out_features  # the kernel reads whole panels of bias too
             self.bias = None if linear.bias is None else nn.Parameter(F.pad(linear.bias, (0, padding)),
                                                                       requires_grad=False)
@@ -102,15 +103,15 @@ def padding_bytes(model: nn.Module) -> int:
                for m in model.modules() if isinstance(m, PackedLinear))
 
 
-def pack(model: StageModel) -> int:
+def pack(model: StageModel, huge: bool = True) -> int:
     """Puts a PackedLinear in place of every nn.Linear of the model whose weight it alone holds (a tied LM head,
     which shares the embeddings' weight, stays as it is: packing it would hold that weight twice), and moves each
     RMSNorm into the packed Linear after it. Returns the bytes of the weights packed (freed as loaded, held again
-    as panels)."""
+    as panels). huge: the panels on 2 MiB pages (huge_pages.py)."""
     embedding = model.embed_tokens.weight.data_ptr() if model.embed_tokens is not None else None
 
     def make(linear: nn.Linear) -> nn.Module:
-        return linear if linear.weight.data_ptr() == embedding else PackedLinear(linear)
+        return linear if linear.weight.data_ptr() == embedding else PackedLinear(linear, huge)
 
     replace_linears(model, make)
     norms_before = [(layer, "input_layernorm", layer.self_attn.qkv_proj) for layer in model.layers]

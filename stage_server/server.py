@@ -15,7 +15,7 @@ import psutil
 import torch
 from grpc_health.v1 import health_pb2
 
-from stage_server import decode_layer, packed_weights, paged_attention
+from stage_server import decode_layer, huge_pages, packed_weights, paged_attention
 from stage_server.batcher import StepBatcher
 from stage_server.compiled import compile_stage, compiled_graphs, is_compiled, warm_up_decode
 from stage_server.compute_thread import compute_executor, hold_to_one_thread
@@ -237,7 +237,7 @@ class StageServer:
                           "size": self.config.tp, "attention_kernel": self.config.attention_kernel}, self.device)
         model = load_stage(self.config.model, layer_start, layer_end, dtype=dtype, device=self.device,
                            int8_linears=loads_int8_weights(self.config.quantize, self.device.type, dtype),
-                           tp=(0, self.config.tp))
+                           tp=(0, self.config.tp), huge=self.config.huge_pages)
         if tp is not None:
             tp.join(model)
         model = quantize(model, self.config.quantize)  # torch.ao's path on CPU float32; else done at load
@@ -245,7 +245,7 @@ class StageServer:
             paged_attention.attach(model)
         if self.config.packed_weights:
             if (why := self._why_not_packed(model)) is None:
-                packed = packed_weights.pack(model)
+                packed = packed_weights.pack(model, self.config.huge_pages)
                 log.info(f"Linear weights packed in panels for stagemesh's kernel: {packed / 2**20:.0f} MiB")
             else:
                 log.info(f"Linear weights in torch's layout: {why}")
@@ -259,10 +259,10 @@ class StageServer:
                 for p in model.parameters():
                     p.sum()  # touches every page of the weights
         model.load_s = time.perf_counter() - t0
-        rss = psutil.Process().memory_info().rss
+        rss, huge = psutil.Process().memory_info().rss, huge_pages.huge_page_bytes()
         log.info(f"loaded layers {model.layer_start}:{model.layer_end} in {model.load_s:.2f}s, "
                  f"{sum(p.nbytes for p in model.parameters()) / 2**20:.0f} MiB of weights, process RSS "
-                 f"{rss / 2**20:.0f} MiB "
+                 f"{rss / 2**20:.0f} MiB{'' if huge is None else f', {huge / 2**20:.0f} MiB on 2 MiB pages'} "
                  f"(cold start{', preloaded' if self.config.preload else ''}, before serving)",
                  extra={"stage": self.address})
         return model
@@ -273,7 +273,8 @@ class StageServer:
         config, args = self.config, model.args
         kv_bytes = int(config.kv_cache_gb * 2**30) if config.kv_cache_gb else default_kv_bytes(model.device)
         self.pool = await self.in_compute(KVPool, kv_bytes, len(model.layers), args.num_kv_heads, args.head_dim,
-                                          model.dtype, model.device, config.kv_block_size, config.kv_lookahead_blocks)
+                                          model.dtype, model.device, config.kv_block_size, config.kv_lookahead_blocks,
+                                          config.huge_pages)
         warm = await self.in_compute(warm_up, model, self.pool, config.batcher.max_batch_tokens, config.cuda_graphs)
         warm_s = warm.seconds
         compiled = (f" with torch.compile ({compiled_graphs(model)} decode graphs)" if is_compiled(model)

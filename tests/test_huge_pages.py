@@ -1,0 +1,84 @@
+"""The memory a stage streams every step, its packed weights and its KV pool, lies on 2 MiB pages where the
+kernel offers transparent huge pages (stage_server/huge_pages.py), zeroed like torch.zeros, and keeps results exact."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from router.server import RouterConfig, RouterServer
+from stage_server import cpu_kernels, huge_pages, packed_weights
+from stage_server.config import StageConfig
+from stage_server.kv_pool import KVPool
+from stage_server.server import StageServer
+from tests.conftest import Mesh, collect, hf_greedy
+from tests.test_traffic import request
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+needs_thp = pytest.mark.skipif(not THP.exists() or "[never]" in THP.read_text(),
+                               reason="this kernel offers no transparent huge pages (or says nothing of them)")
+
+
+def huge_bytes_under(tensor: torch.Tensor) -> int:
+    """Bytes on huge pages in the mapping that holds tensor's first element (/proc/self/smaps)."""
+    address, inside = tensor.data_ptr(), False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):  # a mapping's first line: start-end perms ...
+            start, end = (int(x, 16) for x in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def test_a_huge_page_tensor_is_zeroed_aligned_and_of_the_asked_shape():
+    t = huge_pages.zeros((3, 1024, 1024), torch.float32)
+    assert t.shape == (3, 1024, 1024) and t.dtype == torch.float32 and t.is_contiguous()
+    assert t.data_ptr() % huge_pages.HUGE_PAGE == 0
+    assert not t.any()
+    small = huge_pages.zeros((7, 5), torch.bfloat16)  # under a huge page: ordinary torch memory
+    assert small.shape == (7, 5) and small.dtype == torch.bfloat16 and not small.any()
+
+
+@needs_thp
+def test_packed_weights_lie_on_huge_pages_once_touched():
+    weight = torch.randn(2048, 1024)  # 8 MiB
+    panels = packed_weights.panels_of(weight)
+    assert huge_bytes_under(panels) >= panels.nbytes // 2  # the kernel may split an edge page
+    x = torch.randn(3, 1024)
+    assert cpu_kernels.load()
+    assert torch.allclose(torch.ops.stagemesh.packed_linear(x, panels, None, 2048), x @ weight.t(), atol=1e-4)
+
+
+@needs_thp
+def test_the_kv_pool_lies_on_huge_pages_as_its_blocks_are_used():
+    pool = KVPool(64 << 20, num_layers=2, num_kv_heads=4, head_dim=64, dtype=torch.float32, device="cpu")
+    pool.k.fill_(1.0)
+    pool.v.fill_(1.0)
+    assert huge_bytes_under(pool.k) >= pool.k.nbytes // 2 and huge_bytes_under(pool.v) >= pool.v.nbytes // 2
+    plain = KVPool(64 << 20, num_layers=2, num_kv_heads=4, head_dim=64, dtype=torch.float32, device="cpu", huge=False)
+    plain.k.fill_(1.0)
+    assert huge_bytes_under(plain.k) == 0  # --no-huge-pages
+
+
+@needs_thp
+@pytest.mark.parametrize("huge", [True, False])
+async def test_a_stage_serves_from_a_pool_on_huge_pages_unless_told_not_to(tiny_model, hf_models, huge):
+    mesh = Mesh()
+    try:
+        server = StageServer(StageConfig(model=str(tiny_model), layer_start=0, layer_end=8, kv_cache_gb=0.05,
+                                         huge_pages=huge))
+        mesh.stages.append([server])
+        await server.start(await server.in_compute(server.load, 0, 8))
+        mesh.router = RouterServer(RouterConfig(model=str(tiny_model), chains=[server.address], port=0))
+        await mesh.router.start()
+        ids, _, _ = await collect(mesh.router_stub.Generate(request([5, 6, 7, 8], 12)))
+        assert ids == hf_greedy(hf_models["llama"], [5, 6, 7, 8], 12)
+        on_huge = huge_bytes_under(server.pool.k)  # the warm-up's and the stream's blocks touched it
+        assert on_huge > 0 if huge else on_huge == 0
+        assert server.pool.k.data_ptr() % huge_pages.HUGE_PAGE == 0 or not huge
+    finally:
+        await mesh.stop()
