@@ -46,8 +46,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-
-from stagemesh.processes import peak_rss_bytes  # noqa: E402 (the repository's root first)
+# stagemesh is imported inside the workers, never here: bench_aggregate.py imports this file and then runs its
+# worker in another tree (--code), whose own stagemesh must be the one it imports.
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -345,6 +345,8 @@ def transformers_worker(spec: dict) -> dict:
             result.concurrency_tok_s.setdefault(str(level), []).append(produced / seconds)
             result.concurrency_tokens.setdefault(str(level), []).append(produced)
 
+    from stagemesh.processes import peak_rss_bytes
+
     result.seconds = time.perf_counter() - started
     result.peak_rss_bytes = {"transformers": peak_rss_bytes() or 0}
     result.weight_bytes = {"transformers": sum(p.numel() * p.element_size() for p in model.parameters())}
@@ -485,6 +487,7 @@ def mesh_memory(mesh, result: SystemResult) -> None:
     """Stages report their peak RSS in Stage/Info; routers are read from /proc (they are our children)."""
     import grpc
 
+    from stagemesh.processes import peak_rss_bytes
     from stagemesh.v1 import stage_pb2, stage_pb2_grpc
 
     for proc in mesh.processes:

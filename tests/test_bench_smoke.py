@@ -16,6 +16,15 @@ RUN_S = 900
 once), and room for a machine several times slower."""
 
 
+def test_the_bench_module_leaves_stagemesh_to_the_tree_under_test(tmp_path):
+    """bench_aggregate.py imports bench.py, then runs its worker in another checkout (--code): a stagemesh bound
+    on import would be this checkout's, and that tree's mesh would start with this tree's launcher."""
+    probe = "import sys; sys.path.insert(0, 'scripts'); import bench; print('stagemesh' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "False"
+
+
 @pytest.mark.timeout(RUN_S + 60)
 def test_bench_quick_writes_json_and_plot(tmp_path):
     out = tmp_path / "bench"
