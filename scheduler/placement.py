@@ -41,9 +41,8 @@ class PlacementConfig:
     """Longest chain allowed: every hop adds latency."""
     min_kv_tokens: int = 0
     """KV positions each held layer must also fit, on top of the headroom share."""
-    head_cost_layers: float | None = None
-    """Time of the final norm and LM head, in decoder layers (the last stage gets fewer layers for it); unset, the
-    checkpoint's: the head's bytes over a layer's (ModelFootprint.head_cost_layers)."""
+    head_cost_layers: float = 1.0
+    """Time of the final norm and LM head, in decoder layers (the last stage gets fewer layers for it)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.kv_headroom_fraction < 1:
@@ -53,7 +52,7 @@ class PlacementConfig:
             raise refused(self, "max_stages", "must be >= 1 stage per chain")
         if not self.min_kv_tokens >= 0:
             raise refused(self, "min_kv_tokens", "must be >= 0 KV positions")
-        if self.head_cost_layers is not None and not self.head_cost_layers >= 0:
+        if not self.head_cost_layers >= 0:
             raise refused(self, "head_cost_layers", "must be >= 0 decoder layers' time")
 
 
@@ -104,11 +103,6 @@ def _orders(hosts: list[Host]) -> list[list[Host]]:
     return [[f, *[h for h in hosts if h not in (f, la)], la] for f in hosts for la in hosts if f is not la]
 
 
-def head_cost(model: ModelFootprint, config: PlacementConfig) -> float:
-    """The head's time in layers: as configured, else the checkpoint's."""
-    return model.head_cost_layers if config.head_cost_layers is None else config.head_cost_layers
-
-
 def _caps(model, config, order: list[Host], lo: int, hi: int) -> list[int] | None:
     """Most layers each host can take in this order, or None if together they cannot hold [lo, hi)."""
     k, n = len(order), hi - lo
@@ -120,7 +114,7 @@ def _caps(model, config, order: list[Host], lo: int, hi: int) -> list[int] | Non
 def _split_ordered(model, config, order: list[Host], lo: int, hi: int) -> tuple[list[StagePlan], float] | None:
     """Layer counts for a fixed host order that minimise the slowest stage time ((layers + head) / speed)."""
     k, n, caps = len(order), hi - lo, _caps(model, config, order, lo, hi)
-    extra = [head_cost(model, config) if hi == model.num_layers and i == k - 1 else 0.0 for i in range(k)]
+    extra = [config.head_cost_layers if hi == model.num_layers and i == k - 1 else 0.0 for i in range(k)]
     if caps is None:
         return None
 
@@ -142,15 +136,6 @@ def _split_ordered(model, config, order: list[Host], lo: int, hi: int) -> tuple[
         stages.append(StagePlan(h.host_id, start, start + c))
         start += c
     return stages, max((c + e) / h.speed for c, e, h in zip(counts, extra, order, strict=True))
-
-
-def like_hosts_split(model: ModelFootprint, stages: int) -> list[tuple[int, int]]:
-    """Layer ranges for a chain of `stages` like hosts that each hold any slice (a local mesh started without a
-    registry): the split placement makes, the last stage a layer short for every layer's worth of head."""
-    if not 1 <= stages <= model.num_layers:
-        raise ValueError(f"--stages {stages}: must be between 1 and the model's {model.num_layers} layers")
-    hosts = [Host(f"stage-{i}", 2 * model.total_bytes) for i in range(stages)]
-    return [(s.layer_start, s.layer_end) for s in split_layers(model, PlacementConfig(kv_headroom_fraction=0), hosts)]
 
 
 def split_layers(model, config, hosts: list[Host], lo: int = 0, hi: int | None = None) -> list[StagePlan] | None:
@@ -243,7 +228,7 @@ def serving_plan(model: ModelFootprint, hosts: list[Host], published: list[Chain
 def _describe(model, config, chain: ChainPlan, by_id: dict[str, Host]) -> list[str]:
     """One line per stage: range, memory use, estimated time (layer-units / speed) and its share."""
     n = model.num_layers
-    times = [((s.layer_end - s.layer_start) + head_cost(model, config) * (s.layer_end == n)) / by_id[s.host_id].speed
+    times = [((s.layer_end - s.layer_start) + config.head_cost_layers * (s.layer_end == n)) / by_id[s.host_id].speed
              for s in chain.stages]
     lines, slowest = [], max(times) if len(times) > 1 else None
     for s, t in zip(chain.stages, times, strict=True):
@@ -299,8 +284,7 @@ def _explain(model, config, hosts, chains, spare, free, notes) -> str:
              f"{_gib(model.layer_bytes)}, embed {_gib(model.embed_bytes)}, head {_gib(model.head_bytes)}); each host "
              f"keeps {headroom:.0%} of its memory for the KV cache",
              f"{len(chains)} chain(s) over {len(hosts) - len(spare)} of {len(hosts)} host(s); layers are shared in "
-             f"proportion to speed within memory, est. time = (layers + head) / speed, the head "
-             f"{head_cost(model, config):.2f} layers' time"]
+             "proportion to speed within memory, est. time = (layers + head) / speed"]
     for i, (c, why) in enumerate(chains):
         kind = chain_kind([by_id[s.host_id].tp for s in c.stages])
         lines += [f"  chain {i} ({kind}): {why}", *_describe(model, config, c, by_id)]

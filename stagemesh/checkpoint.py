@@ -198,14 +198,6 @@ class ModelFootprint:
     def total_bytes(self) -> int:
         return self.stage_bytes(0, self.num_layers)
 
-    @property
-    def head_cost_layers(self) -> float:
-        """A step's time in the final norm and LM head, in decoder layers' time: the head's bytes over a layer's.
-        A decode step streams each weight once, and a batched pass multiplies each in proportion to its size, so
-        both go by bytes (a ~270M Llama's 32,000 x 1,024 head: ~2.5 layers; an 8B model's 128k vocabulary: ~2.4;
-        the tiny test model's 1,000: ~0.35)."""
-        return self.head_bytes / self.layer_bytes if self.layer_bytes else 0.0
-
     def stage_bytes(self, start: int, end: int) -> int:
         """Weight bytes of a stage serving layers [start, end)."""
         first, last = start == 0, end == self.num_layers

@@ -16,9 +16,8 @@ from pathlib import Path
 import grpc
 
 from router.generation import GenerationConfig
-from scheduler.placement import like_hosts_split
 from stage_server.config import BatcherConfig
-from stagemesh.checkpoint import ModelFootprint, Quantization, ServingDtype
+from stagemesh.checkpoint import Quantization, ServingDtype, read_config
 from stagemesh.config_flags import PORT_RULE, refused
 from stagemesh.processes import READY, LocalMesh, Process
 from stagemesh.supervisor import RestartPolicy, Supervisor
@@ -128,6 +127,8 @@ def stage_env(threads: int | None, shared_cores: bool = True) -> dict[str, str]:
 
 def stage_budget_gb(model: str, stages: int, dtype: str, headroom: float = 0.2, quantize: str = "none") -> float:
     """A memory budget under which the scheduler needs exactly `stages` hosts for one chain."""
+    from stagemesh.checkpoint import ModelFootprint
+
     total = ModelFootprint.from_model_dir(model, dtype, quantize).total_bytes
     share = 1.5 if stages == 1 else (1 + 0.5 / stages) / stages
     return total * share / (1 - headroom) / 2**30
@@ -139,12 +140,12 @@ def start_local_mesh(model: str, *, stages: int, replicas: int = 1, router_port:
                      extra_stage_args: list[str] | None = None, extra_router_args: list[str] | None = None,
                      registry: str | None = None, tls: str | None = None,
                      log_dir: Path | None = None, ready_timeout_s: float = 120.0) -> tuple[LocalMesh, Process]:
-    """Without registry: stages with fixed layer ranges (placement's split over like hosts,
-    scheduler.placement.like_hosts_split) and a router over them. With registry
+    """Without registry: stages with fixed, even layer ranges and a router over them. With registry
     ("local", or a consul:// or etcd:// URL): a scheduler places layers on stages that announce a memory budget
     for `stages` stages per chain, and the router follows the chains it publishes. tls: every process's
     --tls directory. ready_timeout_s: how long each process may take to be ready (loading its weights, and
     with --compile compiling in its warm-up: minutes on a large slice with inductor's cache cold)."""
+    num_layers = read_config(model)["num_hidden_layers"]  # as the stages read it (transformers' config: ~2 s)
     mesh = LocalMesh(model, log_dir or Path(tempfile.mkdtemp(prefix="stagemesh-")))
     if threads is None:
         # Co-located stages share the cores (README, "Threads"). float32 decode is bandwidth-bound: one
@@ -178,8 +179,7 @@ def start_local_mesh(model: str, *, stages: int, replicas: int = 1, router_port:
                 ("router", [*router_args, "--registry", url])], env, ready_timeout_s)
             mesh.registry_url = url
         else:
-            # Split as the scheduler would: the last stage takes fewer layers for the LM head's time.
-            ranges = like_hosts_split(ModelFootprint.from_model_dir(model, dtype, quantize), stages)
+            ranges = even_split(num_layers, stages)
             started = mesh.spawn_together([(f"stage-r{r}-s{i}", [*stage_args, "--layers", f"{a}:{b}"])
                                            for r in range(replicas) for i, (a, b) in enumerate(ranges)],
                                           env, ready_timeout_s)

@@ -17,7 +17,6 @@ from scheduler.placement import (
     StagePlan,
     plan,
     serving_plan,
-    like_hosts_split,
     split_layers,
     usable_bytes,
 )
@@ -129,20 +128,6 @@ def test_layers_follow_speed_so_the_slowest_stage_is_balanced():
     times = {s.host_id: (s.layer_end - s.layer_start + (s.layer_end == 8)) / by_id[s.host_id].speed for s in stages}
     # 9 layer-units over speeds 1 + 3: the best bottleneck is 2.25 units; layers are whole, so 7/3 or less.
     assert max(times.values()) <= 7 / 3 + 1e-9
-
-
-def test_the_last_stage_takes_fewer_layers_for_a_head_that_weighs_more_than_a_layer():
-    # 12 layers of 100 B, a head of 400 B: the head streams as long as 4 layers do, so like hosts split 8 / 4
-    # (each stage's time 8), where a head counted as one layer would split them 6 / 6 (times 6 and 10).
-    model = ModelFootprint(num_layers=12, layer_bytes=100, embed_bytes=50, head_bytes=400,
-                           kv_bytes_per_token_per_layer=4)
-    assert model.head_cost_layers == 4.0
-    hosts = make_hosts(2, 2000)
-    assert [(s.layer_start, s.layer_end) for s in split_layers(model, PlacementConfig(), hosts)] == [(0, 8), (8, 12)]
-    assert like_hosts_split(model, 2) == [(0, 8), (8, 12)]  # a local mesh without a registry splits the same
-    told = PlacementConfig(head_cost_layers=0.0)  # an operator's own figure still wins
-    assert [(s.layer_start, s.layer_end) for s in split_layers(model, told, hosts)] == [(0, 6), (6, 12)]
-    assert "the head 4.00 layers' time" in plan(model, hosts[:1] + make_hosts(1, 700, "s")).explanation
 
 
 def test_memory_caps_a_fast_host():
