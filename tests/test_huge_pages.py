@@ -17,6 +17,8 @@ from tests.conftest import Mesh, collect, hf_greedy
 from tests.test_traffic import request
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+ON_REQUEST = THP.exists() and "[madvise]" in THP.read_text()
+"""Huge pages only where asked for: then memory that does not ask has none (with `always` every large region may)."""
 needs_thp = pytest.mark.skipif(not THP.exists() or "[never]" in THP.read_text(),
                                reason="this kernel offers no transparent huge pages (or says nothing of them)")
 
@@ -61,7 +63,7 @@ def test_the_kv_pool_lies_on_huge_pages_as_its_blocks_are_used():
     assert huge_bytes_under(pool.k) >= pool.k.nbytes // 2 and huge_bytes_under(pool.v) >= pool.v.nbytes // 2
     plain = KVPool(64 << 20, num_layers=2, num_kv_heads=4, head_dim=64, dtype=torch.float32, device="cpu", huge=False)
     plain.k.fill_(1.0)
-    assert huge_bytes_under(plain.k) == 0  # --no-huge-pages
+    assert huge_bytes_under(plain.k) == 0 or not ON_REQUEST  # --no-huge-pages
 
 
 @needs_thp
@@ -78,7 +80,7 @@ async def test_a_stage_serves_from_a_pool_on_huge_pages_unless_told_not_to(tiny_
         ids, _, _ = await collect(mesh.router_stub.Generate(request([5, 6, 7, 8], 12)))
         assert ids == hf_greedy(hf_models["llama"], [5, 6, 7, 8], 12)
         on_huge = huge_bytes_under(server.pool.k)  # the warm-up's and the stream's blocks touched it
-        assert on_huge > 0 if huge else on_huge == 0
+        assert on_huge > 0 if huge else (on_huge == 0 or not ON_REQUEST)
         assert server.pool.k.data_ptr() % huge_pages.HUGE_PAGE == 0 or not huge
     finally:
         await mesh.stop()
