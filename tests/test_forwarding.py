@@ -21,6 +21,7 @@ from stagemesh.fault_mesh import FaultMesh
 from stagemesh.link_proxy import LinkProxy
 from stagemesh.v1 import router_pb2, stage_pb2
 from tests.conftest import collect, hf_greedy, splits, start_mesh
+from tests.test_claims import until
 from tests.test_exactness import prompt
 from tests.test_fault_suite import _fault
 from tests.test_fault_suite import expected as expected  # the fixture, shared
@@ -141,7 +142,9 @@ async def test_an_ill_formed_relay_message_gets_a_clear_status_and_costs_only_it
                 (victim.session_id, grpc.StatusCode.INVALID_ARGUMENT.value[0]),
                 ("no-such-session", grpc.StatusCode.NOT_FOUND.value[0])]
             assert "hidden states must have shape" in statuses[0].details
-            # The victim's router hears it by name; the bystander streams on, exact.
+            # The victim's router hears it by name; the bystander streams on, exact. (Heard first: a step sent
+            # before the notice arrives reaches the last stage through the first, which then reports NOT_FOUND.)
+            await until(lambda: not victim._inbox.empty(), 10, "the victim's fault reaches its router")
             with pytest.raises(grpc.aio.AioRpcError) as failed:
                 await victim.step([5], sampling=Sampling())
             assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
