@@ -26,16 +26,18 @@ HUGE_PAGE = 2 << 20
 
 
 def zeros(shape: tuple[int, ...] | list[int], dtype: torch.dtype, huge: bool = True) -> torch.Tensor:
-    """A zeroed CPU tensor; with huge and from 2 MiB on, in anonymous memory advised onto 2 MiB pages before it is
-    touched (the kernel backs a region with huge pages at its first touch). The tensor keeps its mapping alive."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    if not huge or nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+    """A zeroed CPU tensor. From 2 MiB on, in anonymous memory, which the kernel zeroes page by page at first touch
+    (a KV pool sized for the host commits only what its sessions use; torch.zeros would write all of it now); with
+    huge, advised onto 2 MiB pages before that touch. The tensor keeps its mapping alive."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes < HUGE_PAGE or not hasattr(mmap, "MAP_ANONYMOUS"):
         return torch.zeros(shape, dtype=dtype)
     # Private: an anonymous shared mapping is shmem, whose huge pages the kernel governs apart (shmem_enabled).
     region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # zeroed, 4 KiB-aligned
     whole = torch.frombuffer(region, dtype=torch.uint8)
     start = -whole.data_ptr() % HUGE_PAGE
-    region.madvise(mmap.MADV_HUGEPAGE, start, nbytes)
+    if huge and hasattr(mmap, "MADV_HUGEPAGE"):
+        region.madvise(mmap.MADV_HUGEPAGE, start, nbytes)
     return whole[start:start + nbytes].view(dtype).view(shape)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -43,6 +44,17 @@ def test_a_huge_page_tensor_is_zeroed_aligned_and_of_the_asked_shape():
     assert not t.any()
     small = huge_pages.zeros((7, 5), torch.bfloat16)  # under a huge page: ordinary torch memory
     assert small.shape == (7, 5) and small.dtype == torch.bfloat16 and not small.any()
+
+
+@pytest.mark.parametrize("huge", [True, False])
+def test_a_kv_pool_takes_memory_as_its_blocks_are_used_not_when_made(huge):
+    """A pool is sized for the host (by default a quarter of its memory): made, it must not commit it, with or
+    without huge pages (--no-huge-pages once zeroed the whole pool up front)."""
+    process = psutil.Process()
+    before = process.memory_info().rss
+    pool = KVPool(512 << 20, num_layers=2, num_kv_heads=4, head_dim=64, dtype=torch.float32, device="cpu", huge=huge)
+    assert process.memory_info().rss - before < (pool.k.nbytes + pool.v.nbytes) // 8
+    assert not pool.k[:, :pool.block_size].any() and not pool.v[:, :pool.block_size].any()  # the null block
 
 
 @needs_thp
