@@ -17,7 +17,7 @@ import grpc
 
 from router.generation import GenerationConfig
 from stage_server.config import BatcherConfig
-from stagemesh.checkpoint import Quantization, ServingDtype, read_config
+from stagemesh.checkpoint import ModelFootprint, Quantization, ServingDtype, read_config
 from stagemesh.config_flags import PORT_RULE, refused
 from stagemesh.processes import READY, LocalMesh, Process
 from stagemesh.supervisor import RestartPolicy, Supervisor
@@ -127,8 +127,6 @@ def stage_env(threads: int | None, shared_cores: bool = True) -> dict[str, str]:
 
 def stage_budget_gb(model: str, stages: int, dtype: str, headroom: float = 0.2, quantize: str = "none") -> float:
     """A memory budget under which the scheduler needs exactly `stages` hosts for one chain."""
-    from stagemesh.checkpoint import ModelFootprint
-
     total = ModelFootprint.from_model_dir(model, dtype, quantize).total_bytes
     share = 1.5 if stages == 1 else (1 + 0.5 / stages) / stages
     return total * share / (1 - headroom) / 2**30
