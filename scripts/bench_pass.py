@@ -15,7 +15,7 @@ the decode attentions to time side by side (kernel: the paged attention kernel, 
 trees before the kernel have only the gather). --weights names weight layouts to time side by side, a copy of
 the model each, passes alternated: torch (as loaded), panels (packed Linears, each RMSNorm apart), packed (as a
 CPU float32 stage holds them: panels, each RMSNorm inside the Linear after it), layers (packed, and each layer of a
-decode pass in one call, as a CPU float32 stage runs it by default: stage_server/decode_layer.py; it needs the
+decode pass in one call, as a CPU float32 stage runs it by default: stage_server/decode_layers.py; it needs the
 attention kernel, --attention kernel).
 """
 
@@ -70,12 +70,12 @@ def main() -> None:
             else:
                 packed_weights.pack(model)
         if layout == "layers":
-            from stage_server import decode_layer, paged_attention
+            from stage_server import decode_layers, paged_attention
 
             if args.attention != "kernel":  # the layer calls the kernel: the other arms must attend by it too
                 raise SystemExit("--weights ...,layers needs --attention kernel")
             paged_attention.attach(model)
-            if why := decode_layer.attach(model):
+            if why := decode_layers.attach(model):
                 raise SystemExit(f"no layer per call here: {why}")
     model = models[layouts[0]]
     a = model.args

@@ -191,11 +191,11 @@ class StageConfig:
     is zeroed whole at its first touch, which on a VM whose host backs memory lazily makes the first stage after a
     boot load slower (~14 s against ~2 for a ~270M slice); --no-huge-pages keeps 4 KiB pages."""
     fused_layers: bool = True
-    """On the CPU in float32, with packed weights and the paged attention kernel, a decode pass runs each decoder
-    layer in one call of stagemesh's kernels (stage_server/decode_layer.py) instead of ~25 eager ops: on the tiny
-    model a decode pass 1.1-1.3x faster in process and a 2-stage chain's model phase 1.3-1.6x, on the ~270M model
-    within noise. The same arithmetic (within 1e-6 of the layer's own ops). Prefill chunks and mixed passes, and
-    --compile's graphs, are unchanged; --no-fused-layers keeps every pass op by op."""
+    """On the CPU in float32, with packed weights and the paged attention kernel, a decode pass runs its decoder
+    layers in one call of stagemesh's kernels (stage_server/decode_layers.py) instead of ~25 eager ops a layer: on
+    the tiny model a 2-stage chain's model phase 1.3-1.6x faster (one call per layer then; all layers in one call
+    since), on the ~270M model within noise. The same arithmetic (within 1e-6 of the layers' own ops). Prefill
+    chunks and mixed passes, and --compile's graphs, are unchanged; --no-fused-layers keeps every pass op by op."""
 
     tp: int = 1
     """Tensor-parallel ranks: the slice runs on this many processes of this host (one per CUDA device on a GPU

@@ -1,5 +1,5 @@
 // The entry points stagemesh's CPU kernels share with each other (each is also a torch op of the same name,
-// registered in its own file): decode_layer.cpp calls the other two directly, without the dispatcher.
+// registered in its own file): decode_layers.cpp calls the other two directly, without the dispatcher.
 #pragma once
 
 #include <ATen/ATen.h>

@@ -1,7 +1,7 @@
 """stagemesh's CPU kernels, built on first use and loaded as torch ops: stagemesh::decode_attention
 (paged_attention.cpp: decode attention read where K/V lie in the paged pool), stagemesh::packed_linear
-(packed_linear.cpp: float32 Linears over weights packed in panels, packed_weights.py) and stagemesh::decode_layer
-(decode_layer.cpp: a decoder layer's decode steps in one call over the other two, decode_layer.py).
+(packed_linear.cpp: float32 Linears over weights packed in panels, packed_weights.py) and stagemesh::decode_layers
+(decode_layers.cpp: a decode pass's decoder layers in one call over the other two, decode_layers.py).
 
 They are built with the host's C++ compiler against the installed torch, for the CPU's vector capability, into
 one library kept in a cache keyed by the sources, torch and the flags (built once per machine, ~20 s; a file
@@ -29,7 +29,7 @@ from torch.utils import cpp_extension
 
 log = logging.getLogger("stagemesh.stage")
 
-SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "packed_linear.cpp", "decode_layer.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "packed_linear.cpp", "decode_layers.cpp")]
 HEADERS = [Path(__file__).with_name("cpu_kernels.h")]
 BUILD_TIMEOUT_S = 600.0
 """A compiler or linker run that takes longer is given up (the stage runs torch's ops)."""

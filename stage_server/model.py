@@ -186,8 +186,8 @@ class StageModel(nn.Module):
         # On the CPU, the kernel that attends decode steps over K/V in place (stage_server/paged_attention.py);
         # None: gathered for SDPA.
         self.decode_attention: DecodeAttention | None = None
-        # On the CPU in float32, a decode pass's layer in one call (stage_server/decode_layer.py); None: layer by op.
-        self.decode_layer: Callable[[DecoderLayer, torch.Tensor, PassPlan], torch.Tensor] | None = None
+        # On the CPU in float32, a decode pass's layers in one call (stage_server/decode_layers.py); None: op by op.
+        self.decode_layers: Callable[[torch.Tensor, PassPlan], torch.Tensor] | None = None
         self.tp_group = None  # rank 0 of a tensor-parallel stage: its TPGroup (stage_server/tensor_parallel.py)
 
     # Read from a norm weight: Linear layers may be quantized (stage_server/quantize.py).
@@ -232,9 +232,11 @@ class StageModel(nn.Module):
         # Rotary rows, slots, gather indices and masks: made once per pass, used by every layer.
         plan = plan_pass(steps, steps[0].cache.pool, rope, x.device, self.decode_attention)
         decode_only = plan.in_order and len(steps) == x.shape[0] and plan.groups[0].table is not None  # by the kernel
-        fused = self.decode_layer if decode_only else None
-        for layer in self.layers:
-            x = layer(x, plan) if fused is None else fused(layer, x, plan)
+        if decode_only and self.decode_layers is not None:
+            x = self.decode_layers(x, plan)
+        else:
+            for layer in self.layers:
+                x = layer(x, plan)
         for st in steps:
             st.cache.length = st.start + st.length
         if not self.is_last:

@@ -15,7 +15,7 @@ import psutil
 import torch
 from grpc_health.v1 import health_pb2
 
-from stage_server import decode_layer, huge_pages, packed_weights, paged_attention
+from stage_server import decode_layers, huge_pages, packed_weights, paged_attention
 from stage_server.batcher import StepBatcher
 from stage_server.compiled import compile_stage, compiled_graphs, is_compiled, warm_up_decode
 from stage_server.compute_thread import compute_executor, hold_to_one_thread
@@ -250,8 +250,8 @@ class StageServer:
             else:
                 log.info(f"Linear weights in torch's layout: {why}")
         if self.config.fused_layers:
-            why = decode_layer.attach(model)
-            log.info("decode passes: a layer per call" if why is None else f"decode passes op by op: {why}")
+            why = decode_layers.attach(model)
+            log.info("decode passes: all layers in one call" if why is None else f"decode passes op by op: {why}")
         if self.config.compile:
             compile_stage(model)  # compiles in the warm-up, before SERVING
         if self.config.preload:

@@ -187,7 +187,7 @@ async def test_a_split_is_exact_under_concurrent_streams(tiny_models, hf_models,
     try:
         for stage in mesh.all_stages():
             assert all(isinstance(m, packed_weights.PackedLinear) == packed for m in linears(stage.model))
-            assert (stage.model.decode_layer is not None) == packed  # a layer per call needs the panels
+            assert (stage.model.decode_layers is not None) == packed  # a layer per call needs the panels
         prompts = [prompt(8 + 13 * i, seed=300 + i) for i in range(8)]
         expected = [hf_greedy(hf_models[family], p, 24) for p in prompts]
         results = await asyncio.gather(*(collect(mesh.router_stub.Generate(
