@@ -142,7 +142,8 @@ at::Tensor decode_layers(const at::Tensor& x_in, const c10::List<std::optional<a
     check_float(v, "v_pool");
     TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes(), "k_pool and v_pool must be [slots, kvH, D]");
     const int64_t kvH = k.size(1), D = k.size(2);
-    TORCH_CHECK(heads >= 1 && heads % kvH == 0 && D % 2 == 0, "heads must be a multiple of the pool's kv heads, D even");
+    TORCH_CHECK(heads >= 1 && heads % kvH == 0 && D % 2 == 0,
+                "heads must be a multiple of the pool's kv heads, D even");
     TORCH_CHECK(cos.numel() == B * D && sin.numel() == B * D, "cos and sin must hold a row of ", D, " per step");
     for (int64_t b = 0; b < B; ++b)
       TORCH_CHECK(sl[b] >= 0 && sl[b] < k.size(0), "slot ", sl[b], " is not in the pool");
