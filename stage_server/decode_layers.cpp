@@ -111,25 +111,38 @@ at::Tensor layer_pass(const at::Tensor& x, const c10::List<std::optional<at::Ten
 
 }  // namespace
 
-// x [B, hidden]: the decode steps' hidden states, one row per session; weights: each layer's kWeightsPerLayer
+// x: the decode steps' hidden states [B, hidden], one row per session, or with embed [vocab, hidden] (the first
+// stage) their token ids [B]; weights: each layer's kWeightsPerLayer
 // (qkv, qkv_bias, input_norm, o, o_bias, gate_up, gate_up_bias, post_norm, down, down_bias; the biases may be
 // None), eps: each layer's two norms' (input, post); cos, sin [B, ..., D]: each row's rotary table (sin signed,
 // model.rope_tables); slots [B]: where each step's K/V go in the pool; k_pools, v_pools: each layer's
 // [slots, kvH, D]; windows: each layer's sliding window (0: none); table, ends, block_size, scale: as
-// decode_attention takes them. Returns the last layer's output [B, hidden].
+// decode_attention takes them; head (the last stage's LM head as packed panels, with head_bias, head_norm: the final
+// norm, head_eps, head_out: the vocabulary), or None. Returns the last layer's output [B, hidden], or with head its
+// logits [B, head_out]: embedding and head inside the call spare two more trips through Python and the dispatcher,
+// made with the caches just emptied by the layers' weights (~280 µs before a ~270M head; README, "All layers in one
+// call").
 at::Tensor decode_layers(const at::Tensor& x_in, const c10::List<std::optional<at::Tensor>>& weights,
                          at::ArrayRef<double> eps, const at::Tensor& cos, const at::Tensor& sin,
                          const at::Tensor& slots, at::TensorList k_pools, at::TensorList v_pools,
                          const at::Tensor& table, const at::Tensor& ends, int64_t block_size, at::IntArrayRef windows,
-                         int64_t heads, double scale) {
+                         int64_t heads, double scale, const std::optional<at::Tensor>& embed,
+                         const std::optional<at::Tensor>& head, const std::optional<at::Tensor>& head_bias,
+                         const std::optional<at::Tensor>& head_norm, double head_eps, int64_t head_out) {
+  const bool embeds = embed.has_value() && embed->defined(), with_head = head.has_value() && head->defined();
   const int64_t L = static_cast<int64_t>(k_pools.size());
   TORCH_CHECK(L >= 1 && static_cast<int64_t>(v_pools.size()) == L && static_cast<int64_t>(windows.size()) == L &&
               static_cast<int64_t>(eps.size()) == 2 * L &&
               static_cast<int64_t>(weights.size()) == kWeightsPerLayer * L,
               "every layer needs its K and V pools, its window, its 2 norms' eps and its ", kWeightsPerLayer,
               " weights");
-  TORCH_CHECK(x_in.dim() == 2, "x must be [B, hidden]");
-  check_float(x_in, "x");
+  if (embeds) {
+    TORCH_CHECK(x_in.dim() == 1 && x_in.scalar_type() == at::kLong, "with embed, x must be token ids [B] int64");
+    check_float(*embed, "embed");
+  } else {
+    TORCH_CHECK(x_in.dim() == 2, "x must be [B, hidden]");
+    check_float(x_in, "x");
+  }
   check_float(cos, "cos");
   check_float(sin, "sin");
   const int64_t B = x_in.size(0);
@@ -148,11 +161,11 @@ at::Tensor decode_layers(const at::Tensor& x_in, const c10::List<std::optional<a
     for (int64_t b = 0; b < B; ++b)
       TORCH_CHECK(sl[b] >= 0 && sl[b] < k.size(0), "slot ", sl[b], " is not in the pool");
   }
-  at::Tensor x = x_in;
+  at::Tensor x = embeds ? embed->index_select(0, x_in) : x_in;  // index_select refuses an id outside the table
   for (int64_t i = 0; i < L; ++i)
     x = layer_pass(x, weights, i, eps[2 * i], eps[2 * i + 1], cos, sin, sl, k_pools[i], v_pools[i], table, ends,
                    block_size, windows[i], heads, scale);
-  return x;
+  return with_head ? packed_linear(x, *head, head_bias, head_out, head_norm, head_eps) : x;
 }
 
 }  // namespace stagemesh
@@ -160,7 +173,8 @@ at::Tensor decode_layers(const at::Tensor& x_in, const c10::List<std::optional<a
 TORCH_LIBRARY_FRAGMENT(stagemesh, m) {
   m.def("decode_layers(Tensor x, Tensor?[] weights, float[] eps, Tensor cos, Tensor sin, Tensor slots, "
         "Tensor(a!)[] k_pools, Tensor(b!)[] v_pools, Tensor table, Tensor ends, int block_size, int[] windows, "
-        "int heads, float scale) -> Tensor");
+        "int heads, float scale, Tensor? embed=None, Tensor? head=None, Tensor? head_bias=None, Tensor? head_norm=None, "
+        "float head_eps=0.0, int head_out=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(stagemesh, CPU, m) { m.impl("decode_layers", &stagemesh::decode_layers); }

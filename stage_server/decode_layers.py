@@ -7,7 +7,8 @@ other processes run between two steps and leave the caches cold (README, "One ca
 the same math with the same kernels: the packed Linears with their norms inside (packed_weights.py), rotary
 embedding, the K/V writes, attention in place in the pool (paged_attention.py), the residual adds and
 silu(gate) * up, for all of the stage's layers at once: a call per layer cost ~80 µs between two layers of a
-~270M stage (README, "All layers in one call"). Prefill chunks and mixed passes keep the layers' own forward.
+~270M stage (README, "All layers in one call"). The first stage's embedding and the last stage's packed LM head
+(its final norm inside) go in the same call. Prefill chunks and mixed passes keep the layers' own forward.
 """
 
 from __future__ import annotations
@@ -71,21 +72,28 @@ class _PassArgs:
             self.v.append(pool.v[attn.slot])
         a = model.args
         self.heads, self.scale = a.num_heads, a.head_dim**-0.5
+        self.embed = model.embed_tokens.weight if model.is_first else None
+        head = model.lm_head if model.is_last else None
+        self.with_head = isinstance(head, PackedLinear) and head.norm_weight is not None  # the final norm inside
+        self.head = (head.panels, head.bias, head.norm_weight, head.eps, head.out_features) if self.with_head else ()
 
 
 class OneCall:
     """A model's decode passes (decode steps only, in the pass's order: plan.in_order, one paged group) through
-    all its layers in one call."""
+    all its layers in one call: token ids (first stage) or hidden states in; hidden states out, or logits where the
+    call runs the LM head too (returned with True)."""
 
     def __init__(self, model: StageModel):
         self.model = model
         self._args: _PassArgs | None = None
 
-    def __call__(self, x: torch.Tensor, plan: PassPlan) -> torch.Tensor:
+    def __call__(self, inputs: torch.Tensor, plan: PassPlan) -> tuple[torch.Tensor, bool]:
         group, pool = plan.groups[0], plan.pool
         args = self._args
         if args is None or args.pool is not pool:  # a new pool (the stage's slice was swapped) gets new views
             args = self._args = _PassArgs(self.model, pool)
-        return torch.ops.stagemesh.decode_layers(x.contiguous(), args.weights, args.eps, plan.cos, plan.sin,
-                                                 plan.slots, args.k, args.v, group.table, group.ends,
-                                                 pool.block_size, args.windows, args.heads, args.scale)
+        x = inputs if args.embed is not None else inputs.to(torch.float32)  # a 16-bit wire's hidden states
+        out = torch.ops.stagemesh.decode_layers(x.contiguous(), args.weights, args.eps, plan.cos, plan.sin,
+                                                plan.slots, args.k, args.v, group.table, group.ends, pool.block_size,
+                                                args.windows, args.heads, args.scale, args.embed, *args.head)
+        return out, args.with_head

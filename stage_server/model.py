@@ -186,8 +186,9 @@ class StageModel(nn.Module):
         # On the CPU, the kernel that attends decode steps over K/V in place (stage_server/paged_attention.py);
         # None: gathered for SDPA.
         self.decode_attention: DecodeAttention | None = None
-        # On the CPU in float32, a decode pass's layers in one call (stage_server/decode_layers.py); None: op by op.
-        self.decode_layers: Callable[[torch.Tensor, PassPlan], torch.Tensor] | None = None
+        # On the CPU in float32, a decode pass's layers in one call (stage_server/decode_layers.py), the embedding
+        # and head with them where it can (the output, and whether it is the logits); None: op by op.
+        self.decode_layers: Callable[[torch.Tensor, PassPlan], tuple[torch.Tensor, bool]] | None = None
         self.tp_group = None  # rank 0 of a tensor-parallel stage: its TPGroup (stage_server/tensor_parallel.py)
 
     # Read from a norm weight: Linear layers may be quantized (stage_server/quantize.py).
@@ -227,19 +228,20 @@ class StageModel(nn.Module):
                 for st in steps:
                     st.cache.length = st.start + 1
                 return out
-        x = self.embed_tokens(inputs) if self.is_first else inputs.to(self.dtype)  # [T, hidden]
-        rope = self.rope(max(st.start + st.length for st in steps), x.dtype)
+        rope = self.rope(max(st.start + st.length for st in steps), self.dtype)
         # Rotary rows, slots, gather indices and masks: made once per pass, used by every layer.
-        plan = plan_pass(steps, steps[0].cache.pool, rope, x.device, self.decode_attention)
-        decode_only = plan.in_order and len(steps) == x.shape[0] and plan.groups[0].table is not None  # by the kernel
-        if decode_only and self.decode_layers is not None:
-            x = self.decode_layers(x, plan)
+        plan = plan_pass(steps, steps[0].cache.pool, rope, self.device, self.decode_attention)
+        decode_only = plan.in_order and len(steps) == inputs.shape[0] and plan.groups[0].table is not None  # kernel's
+        if decode_only and self.decode_layers is not None:  # embedding and head too, where it can
+            x, logits = self.decode_layers(inputs, plan)
         else:
+            x = self.embed_tokens(inputs) if self.is_first else inputs.to(self.dtype)  # [T, hidden]
             for layer in self.layers:
                 x = layer(x, plan)
+            logits = False
         for st in steps:
             st.cache.length = st.start + st.length
-        if not self.is_last:
+        if not self.is_last or logits:
             return x
         if len(steps) == x.shape[0]:  # every step is one token: each row is a step's last
             last = x

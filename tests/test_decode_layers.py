@@ -50,9 +50,9 @@ def counting(model) -> list[int]:
     """Counts the model's one-call passes from now on: [calls]."""
     calls, run = [0], model.decode_layers
 
-    def counted(x, plan):
+    def counted(inputs, plan):
         calls[0] += 1
-        return run(x, plan)
+        return run(inputs, plan)
 
     model.decode_layers = counted
     return calls
@@ -79,16 +79,23 @@ def test_decode_passes_in_one_call_match_transformers(layer_models, family):
 
 
 @pytest.mark.parametrize("family", MODELS)
-def test_one_call_is_the_layers_op_by_op(layer_models, family):
-    """A split's middle stage of two layers (hidden states in and out), the same decode pass of 1 to 5 sessions
-    run both ways, each from the same pool contents: outputs within float32 rounding (1e-5), and the K/V each step
-    wrote in the first layer bit for bit the same (rotary embedding rounds as torch's ops do), in the second within
-    that rounding. Each case brings a new
-    pool: the views of the pool the call keeps between passes follow it."""
-    model = fused_model(layer_models[family], 1, 3)
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_one_call_is_the_layers_op_by_op(layer_models, family, where):
+    """Two layers of a split as its first stage (token ids in: the embedding inside the call), a middle stage
+    (hidden states in and out) and its last (the final norm and LM head inside the call: logits out), the same
+    decode pass of 1 to 5 sessions run both ways, each from the same pool contents: outputs within float32
+    rounding (1e-5), and the K/V each step wrote in the first layer bit for bit the same (rotary embedding rounds
+    as torch's ops do), in the second within that rounding. Each case brings a new pool: the views of the pool
+    the call keeps between passes follow it."""
+    start = {"first": 0, "middle": 1, "last": 2}[where]
+    model = fused_model(layer_models[family], start, start + 2)
     one_call = model.decode_layers
     a = model.args
     torch.manual_seed(5)
+
+    def inputs(n: int) -> torch.Tensor:
+        return torch.randint(3, a.vocab_size, (n,)) if model.is_first else torch.randn(n, a.hidden_size)
+
     for sessions in (1, 2, 5):
         pool = KVPool(1 << 22, len(model.layers), a.num_kv_heads, a.head_dim, model.dtype, "cpu", block_size=4)
         pool.k.zero_()  # torch.empty's memory may hold NaN, which no two copies of equal
@@ -97,10 +104,10 @@ def test_one_call_is_the_layers_op_by_op(layer_models, family):
         for i, cache in enumerate(caches):  # prefilled op by op
             n = 3 + 7 * i
             pool.grow(cache, n)
-            model(torch.randn(n, a.hidden_size), [StepSlice(cache, 0, 0, n)])
+            model(inputs(n), [StepSlice(cache, 0, 0, n)])
         for cache in caches:
             pool.grow(cache, cache.length + 1)
-        x = torch.randn(sessions, a.hidden_size)
+        x = inputs(sessions)
         starts = [c.length for c in caches]
         before = pool.k.clone(), pool.v.clone()
         outputs, pools = [], []
@@ -112,12 +119,30 @@ def test_one_call_is_the_layers_op_by_op(layer_models, family):
                 cache.length = start
             outputs.append(model(x, [StepSlice(c, i, c.length, 1) for i, c in enumerate(caches)]))
             pools.append((pool.k.clone(), pool.v.clone()))
+        assert outputs[1].shape == (sessions, a.vocab_size if where == "last" else a.hidden_size)
         assert not torch.equal(pools[0][0][0], before[0][0]) and not torch.equal(pools[0][0][1], before[0][1])
         torch.testing.assert_close(outputs[1], outputs[0], atol=1e-5, rtol=1e-5)
         first = [torch.equal(pools[1][kv][0], pools[0][kv][0]) for kv in (0, 1)]  # from the same input
         assert first == [True, True]
         for kv in (0, 1):  # the second layer's input carries the first's rounding
             torch.testing.assert_close(pools[1][kv][1], pools[0][kv][1], atol=1e-5, rtol=1e-5)
+    took = one_call._args  # what the call passed: the embedding on the first stage, the head on the last
+    assert (took.embed is not None, took.with_head) == (where == "first", where == "last")
+
+
+def test_a_tied_head_stays_outside_the_call(tmp_path):
+    """A model whose LM head is its embedding matrix keeps a plain Linear head (packing leaves it, and its norm,
+    alone): the call embeds and runs the layers, the head runs after it, and the logits still match transformers."""
+    path = make_tiny_model(tmp_path / "tied", "llama", layers=2, tie_word_embeddings=True, seed=9)
+    model = fused_model(path)
+    calls = counting(model)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    a = model.args
+    pool = KVPool(1 << 22, len(model.layers), a.num_kv_heads, a.head_dim, model.dtype, "cpu", block_size=4)
+    seqs = [prompt(n, seed=80 + n) for n in (3, 6)]
+    decode_passes_match_transformers(model, hf, pool, seqs, [[0, 1], [1], [0, 1]])
+    assert calls[0] == 3
+    assert not isinstance(model.lm_head, packed_weights.PackedLinear)
 
 
 def test_a_slot_outside_the_pool_is_refused_before_anything_is_written(layer_models):
