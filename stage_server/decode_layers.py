@@ -51,8 +51,9 @@ def attach(model: StageModel) -> str | None:
 
 class _PassArgs:
     """What every pass's call passes that does not change between passes: each layer's weights, norms' eps and
-    window, and its K/V views of the pool. ~25 module attribute reads and two tensor views per layer cost ~25 µs,
-    as much as a tiny layer's arithmetic with its weights in cache."""
+    window, and its K/V views of the pool; the first stage's embedding table, the last stage's packed head. ~25
+    module attribute reads and two tensor views per layer cost ~25 µs, as much as a tiny layer's arithmetic with
+    its weights in cache."""
 
     def __init__(self, model: StageModel, pool: KVPool):
         self.pool = pool
