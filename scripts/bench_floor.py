@@ -4,6 +4,7 @@
     python scripts/bench_floor.py --quick    # a smoke run: the wire, and the tiny chain without --compile (~1 min)
     python scripts/bench_floor.py --no-medium --no-compile
     python scripts/bench_floor.py --no-medium --also-with=--no-fused-layers   # the tiny chain with and without
+    python scripts/bench_floor.py --no-compile --code /tmp/before --code . --rounds 3   # two trees, in turns
 
 1. The wire: each copy removed from the stage's side of a hop, timed alone, before and now, on a one-token
    hidden state at hidden 256 and 1024 and on a 256-token prefill chunk: encode (a message of its own, then
@@ -23,7 +24,11 @@
    again with --compile (its first compilation, with inductor's cache cold, takes minutes: the
    mesh waits up to bench.READY_TIMEOUT_S for it).
 
-Writes DIR/floor.json. Speed is only measured here, never asserted.
+With --code (repeatable), each checkout runs its own bench_floor.py (cwd there: its stage and router processes run
+its code), --rounds times in turns, and the medians of the runs are printed side by side, each as a ratio to the
+first tree's: one run of a machine whose speed drifts by 5-10% between minutes cannot tell two trees apart.
+
+Writes DIR/floor.json (with --code: DIR/<tree>-<round>/floor.json each). Speed is only measured here, never asserted.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import argparse
 import asyncio
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -260,11 +266,62 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=5, help="decode runs per system (medians)")
     p.add_argument("--tokens", type=int, default=128, help="tokens per decode run (tiny model; ~270M: a quarter)")
     p.add_argument("--out", type=Path, default=Path("bench-out"))
+    p.add_argument("--code", action="append", type=Path, default=[], help="a checkout to measure (repeatable)")
+    p.add_argument("--rounds", type=int, default=1, help="with --code: runs of each tree, in turns")
     return p.parse_args(argv)
+
+
+# --------------------------------------------------------------------------------------------------
+# Trees side by side
+
+
+def headline(report: dict) -> dict[str, float]:
+    """The figures of one run a comparison looks at: ms per token of each system, each stage's model phase."""
+    out = {"tiny transformers": report["tiny"]["transformers"]["ms_per_token"]}
+    for chain in report["tiny"]["chains"]:
+        out[f"tiny {chain['system']}"] = chain["ms_per_token"]
+        out |= {f"  its stage {k}'s model phase, µs": v["model"] for k, v in chain["breakdown_us"].items()}
+    for chain in report.get("medium", {}).get("chains", []):
+        out[f"~270M {chain['system']}"] = chain["ms_per_token"]
+    return out
+
+
+def tree_flags(args: argparse.Namespace) -> list[str]:
+    """The flags each tree's own run takes: all but --code, --rounds and --out."""
+    flags = [f"--{name.replace('_', '-')}" for name in ("quick", "no_medium", "no_compile", "medium_compile")
+             if getattr(args, name)]
+    return flags + [f"--also-with={f}" for f in args.also_with] + ["--repeats", str(args.repeats), "--tokens",
+                                                                  str(args.tokens)]
+
+
+def compare_trees(args: argparse.Namespace) -> None:
+    """Each --code tree's bench_floor.py with the other flags, --rounds times in turns; medians side by side."""
+    trees = [c.resolve() for c in args.code]
+    runs: list[dict[str, list[float]]] = [{} for _ in trees]
+    for r in range(args.rounds):
+        for i, tree in enumerate(trees):
+            out = args.out.resolve() / f"{i}-{tree.name}-{r}"
+            proc = subprocess.run([sys.executable, str(tree / "scripts" / "bench_floor.py"), *tree_flags(args),
+                                   "--out", str(out)], cwd=tree, capture_output=True, text=True)
+            if proc.returncode:
+                sys.exit(f"{tree}: bench_floor failed:\n{proc.stderr[-3000:]}")
+            for k, v in headline(json.loads((out / "floor.json").read_text())).items():
+                runs[i].setdefault(k, []).append(v)
+            print(f"  round {r + 1}, {tree}: {out / 'floor.json'}", flush=True)
+    print(f"\nmedians of {args.rounds} run(s) per tree [runs], x the first tree (ms/token unless marked)")
+    for key in runs[0]:
+        print(f"  {key}")
+        for tree, tree_runs in zip(trees, runs, strict=True):
+            values = tree_runs.get(key, [])
+            if values:
+                m, base = statistics.median(values), statistics.median(runs[0][key])
+                print(f"      {str(tree):40s} {m:9.2f} [{', '.join(f'{x:.2f}' for x in values)}] {m / base:.2f}x")
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.code:
+        return compare_trees(args)
     if args.quick:
         args.no_medium = args.no_compile = True
         args.repeats, args.tokens = 2, 16

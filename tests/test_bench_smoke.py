@@ -119,6 +119,23 @@ def test_bench_floor_quick_reports_the_wire_the_chain_and_its_breakdown(tmp_path
     assert "3. where a step's time goes" in proc.stdout
 
 
+@pytest.mark.timeout(2 * RUN_S + 60)
+def test_bench_floor_runs_each_tree_in_its_own_checkout_and_sets_them_side_by_side(tmp_path):
+    """--code twice (this checkout, twice: the runs of a before/after comparison), one round: each run is the
+    tree's own bench_floor.py, its report kept, and the summary gives each figure per tree with its ratio to the
+    first's."""
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_floor.py"), "--quick", "--code", str(ROOT),
+                           "--code", str(ROOT), "--out", str(tmp_path)], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=2 * RUN_S)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    reports = sorted(tmp_path.glob("*/floor.json"))
+    assert [r.parent.name for r in reports] == [f"0-{ROOT.name}-0", f"1-{ROOT.name}-0"]
+    summary = proc.stdout.split("medians of 1 run(s) per tree")[1]
+    chain = summary.split("tiny 2 stage(s) x 1 thread(s)\n")[1].splitlines()[:2]
+    assert [line.split()[0] for line in chain] == [str(ROOT), str(ROOT)]
+    assert chain[0].endswith("1.00x") and chain[1].endswith("x")
+
+
 def test_gpu_check_parses_its_arguments_and_dry_runs():
     """It cannot run here (no GPU); its syntax, arguments and steps can be checked."""
     script = str(ROOT / "scripts" / "gpu_check.sh")
