@@ -9,7 +9,7 @@
 // pool, attention over the pool (paged_attention.cpp), the residual adds and silu(gate) * up. All of a stage's
 // layers go in the one call: between two layers' calls Python and the dispatcher ran ~80 µs on a ~270M stage,
 // whose layers' weights had just pushed their code and data out of every cache (README, "All layers in one call").
-// Built and loaded by stage_server/cpu_kernels.py, used by stage_server/decode_layer.py.
+// Built and loaded by stage_server/cpu_kernels.py, used by stage_server/decode_layers.py.
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -155,7 +155,7 @@ at::Tensor decode_layers(const at::Tensor& x_in, const c10::List<std::optional<a
     check_float(v, "v_pool");
     TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes(), "k_pool and v_pool must be [slots, kvH, D]");
     const int64_t kvH = k.size(1), D = k.size(2);
-    TORCH_CHECK(heads >= 1 && heads % kvH == 0 && D % 2 == 0,
+    TORCH_CHECK(heads >= 1 && kvH >= 1 && heads % kvH == 0 && D % 2 == 0,
                 "heads must be a multiple of the pool's kv heads, D even");
     TORCH_CHECK(cos.numel() == B * D && sin.numel() == B * D, "cos and sin must hold a row of ", D, " per step");
     for (int64_t b = 0; b < B; ++b)
@@ -173,8 +173,8 @@ at::Tensor decode_layers(const at::Tensor& x_in, const c10::List<std::optional<a
 TORCH_LIBRARY_FRAGMENT(stagemesh, m) {
   m.def("decode_layers(Tensor x, Tensor?[] weights, float[] eps, Tensor cos, Tensor sin, Tensor slots, "
         "Tensor(a!)[] k_pools, Tensor(b!)[] v_pools, Tensor table, Tensor ends, int block_size, int[] windows, "
-        "int heads, float scale, Tensor? embed=None, Tensor? head=None, Tensor? head_bias=None, Tensor? head_norm=None, "
-        "float head_eps=0.0, int head_out=0) -> Tensor");
+        "int heads, float scale, Tensor? embed=None, Tensor? head=None, Tensor? head_bias=None, "
+        "Tensor? head_norm=None, float head_eps=0.0, int head_out=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(stagemesh, CPU, m) { m.impl("decode_layers", &stagemesh::decode_layers); }

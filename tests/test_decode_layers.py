@@ -168,6 +168,24 @@ def test_a_slot_outside_the_pool_is_refused_before_anything_is_written(layer_mod
     assert not pool.k.any() and not pool.v.any()
 
 
+def test_a_pool_without_kv_heads_is_refused_not_divided_by(layer_models):
+    """The op checks the pool's shape before it divides by its kv heads: a pool view of none fails with the reason
+    (an integer division by zero would take the whole process down)."""
+    model = fused_model(layer_models["llama"], 0, 1)
+    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+    a = model.args
+    pool = KVPool(1 << 20, 1, a.num_kv_heads, a.head_dim, model.dtype, "cpu", block_size=4)
+    weights = [attn.qkv_proj.panels, None, attn.qkv_proj.norm_weight, attn.o_proj.panels, None,
+               mlp.gate_up_proj.panels, None, mlp.gate_up_proj.norm_weight, mlp.down_proj.panels, None]
+    cos, sin = model.rope(8, torch.float32)
+    none = torch.empty(pool.k.shape[1], 0, a.head_dim)
+    with pytest.raises(RuntimeError, match="multiple of the pool's kv heads"):
+        torch.ops.stagemesh.decode_layers(
+            torch.randn(1, a.hidden_size), weights, [1e-6] * 2, cos[:1].contiguous(), sin[:1].contiguous(),
+            torch.tensor([0]), [none], [none], torch.tensor([[1]]), torch.tensor([1]), pool.block_size, [0],
+            a.num_heads, 0.1)
+
+
 def test_what_cannot_run_its_layers_in_one_call_says_why(layer_models):
     """Without the attention kernel, or with torch's Linears, decode passes stay op by op, and attach says why."""
     unpacked = load_stage(layer_models["llama"], 0, None)
