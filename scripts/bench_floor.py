@@ -280,7 +280,8 @@ def headline(report: dict) -> dict[str, float]:
     out = {"tiny transformers": report["tiny"]["transformers"]["ms_per_token"]}
     for chain in report["tiny"]["chains"]:
         out[f"tiny {chain['system']}"] = chain["ms_per_token"]
-        out |= {f"  its stage {k}'s model phase, µs": v["model"] for k, v in chain["breakdown_us"].items()}
+        out |= {f"  {chain['system']}: stage {k}'s model phase, µs": v["model"]
+                for k, v in chain["breakdown_us"].items()}  # keyed by chain: --also-with and --compile add chains
     for chain in report.get("medium", {}).get("chains", []):
         out[f"~270M {chain['system']}"] = chain["ms_per_token"]
     return out

@@ -233,15 +233,15 @@ class StageModel(nn.Module):
         plan = plan_pass(steps, steps[0].cache.pool, rope, self.device, self.decode_attention)
         decode_only = plan.in_order and len(steps) == inputs.shape[0] and plan.groups[0].table is not None  # kernel's
         if decode_only and self.decode_layers is not None:  # embedding and head too, where it can
-            x, logits = self.decode_layers(inputs, plan)
+            x, is_logits = self.decode_layers(inputs, plan)
         else:
             x = self.embed_tokens(inputs) if self.is_first else inputs.to(self.dtype)  # [T, hidden]
             for layer in self.layers:
                 x = layer(x, plan)
-            logits = False
+            is_logits = False
         for st in steps:
             st.cache.length = st.start + st.length
-        if not self.is_last or logits:
+        if not self.is_last or is_logits:
             return x
         if len(steps) == x.shape[0]:  # every step is one token: each row is a step's last
             last = x
