@@ -22,13 +22,19 @@
 
 namespace {
 
-// e^x for x <= 0 (a score less its row's largest): 2^(x log2 e) = 2^n 2^f, f in [-0.5, 0.5], 2^f by its Taylor
-// series to degree 7 (relative error under 2e-8). Arithmetic only, so the loop around it vectorizes.
-inline float exp_nonpositive(float x) {
-  const float t = std::max(x, -87.f) * 1.44269504088896341f;
-  const int32_t n = static_cast<int32_t>(t - 0.5f);  // t <= 0: truncation of t - 0.5 rounds t to nearest
-  const float f = t - static_cast<float>(n);
-  float p = 1.525273380405984e-5f;
+// Sixteen float lanes (GCC's and clang's vector extensions, whatever the target: one AVX-512 register, two AVX2).
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4)));
+typedef int32_t i16 __attribute__((vector_size(64)));
+
+// e^x for x <= 0 (a score less its row's largest), lane by lane: 2^(x log2 e) = 2^n 2^f, f in [-0.5, 0.5], 2^f
+// by its Taylor series to degree 7 (relative error under 2e-8).
+inline v16 exp_nonpositive(v16 x) {
+  const v16 lowest = v16{} - 87.f;  // e^-87: about float32's smallest normal
+  const v16 t = (x > lowest ? x : lowest) * 1.44269504088896341f;
+  const i16 n = __builtin_convertvector(t - 0.5f, i16);  // t <= 0: truncation of t - 0.5 rounds t to nearest
+  const v16 f = t - __builtin_convertvector(n, v16);
+  v16 p = v16{} + 1.525273380405984e-5f;
   p = p * f + 1.540353039338161e-4f;
   p = p * f + 1.333355814642844e-3f;
   p = p * f + 9.618129107628477e-3f;
@@ -36,17 +42,50 @@ inline float exp_nonpositive(float x) {
   p = p * f + 2.402265069591007e-1f;
   p = p * f + 6.931471805599453e-1f;
   p = p * f + 1.f;
-  const int32_t bits = (n + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
+  return p * reinterpret_cast<v16>((n + 127) << 23);  // 2^n: n + 127 in the exponent's bits
+}
+
+// A row of n scores (n >= 1) becomes its softmax, in place, 16 at a time (the last 16 through a padded copy):
+// its largest score, e^(score - largest) and their sum (lane by lane, then across the lanes), then the
+// scaling. Written with vectors because GCC left the plain loops scalar (a max reduction's NaN rules, a bit
+// cast in e^x): a third of the kernel's time on cache-resident K/V. Each score's e^x is the same arithmetic
+// wherever it lies in the row.
+inline void softmax_row(float* s, int64_t n) {
+  float pad[16];
+  auto load = [&](int64_t i, float fill) {
+    if (i + 16 <= n) return *reinterpret_cast<const v16u*>(s + i);
+    std::fill(pad, pad + 16, fill);
+    std::memcpy(pad, s + i, (n - i) * sizeof(float));
+    return *reinterpret_cast<const v16u*>(pad);
+  };
+  v16 top = load(0, s[0]);
+  for (int64_t i = 16; i < n; i += 16) {
+    const v16 x = load(i, s[0]);
+    top = x > top ? x : top;
+  }
+  float m = top[0];
+  for (int l = 1; l < 16; ++l) m = std::max(m, top[l]);
+  v16 sums = {};
+  for (int64_t i = 0; i < n; i += 16) {
+    const v16 e = exp_nonpositive(load(i, m) - m);
+    if (i + 16 <= n) {
+      *reinterpret_cast<v16u*>(s + i) = e;
+      sums += e;
+    } else {
+      float lanes[16];
+      *reinterpret_cast<v16u*>(lanes) = e;
+      std::memcpy(s + i, lanes, (n - i) * sizeof(float));
+      for (int64_t l = 0; l < n - i; ++l) sums[l] += lanes[l];
+    }
+  }
+  float sum = 0.f;
+  for (int l = 0; l < 16; ++l) sum += sums[l];
+  const float inv = 1.f / sum;
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) s[i] *= inv;
 }
 
 #if defined(__AVX512F__) && !defined(__clang__)  // GCC's __builtin_shuffle
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4)));
-typedef int32_t i16 __attribute__((vector_size(64)));
-
 // One level of the transpose-reduce below: with h the level's half width, lane i of the result is x[i] + x[i + h]
 // where i % 2h < h, else y[i - h] + y[i].
 template <int h>
@@ -89,11 +128,30 @@ inline void block_scores(const float* qg, const float* first, int64_t row, int64
     q2[i] = fold<2>(a, b);
   }
   const v16 all = fold<8>(fold<4>(q2[0], q2[1]), fold<4>(q2[2], q2[3]));
+  if (count == 16) {
+    *reinterpret_cast<v16u*>(out) = all;
+    return;
+  }
   float lanes[16];
   *reinterpret_cast<v16u*>(lanes) = all;
   std::memcpy(out, lanes, count * sizeof(float));
 }
 #endif
+
+// One query head's weighted sum over count positions of a block (D a multiple of 16): acc (D floats) +=
+// p[j] * the value row of position j, position after position: the multiply-adds of one position at a time
+// across the heads, in the same order, with the head's accumulator held in registers through the block instead
+// of stored and loaded again at every position.
+template <int D>
+inline void block_values(const float* p, const float* first, int64_t row, int64_t count, float* acc) {
+  v16 a[D / 16];
+  for (int d = 0; d < D / 16; ++d) a[d] = *reinterpret_cast<const v16u*>(acc + 16 * d);
+  for (int64_t j = 0; j < count; ++j) {
+    const float* r = first + j * row;
+    for (int d = 0; d < D / 16; ++d) a[d] += p[j] * *reinterpret_cast<const v16u*>(r + 16 * d);
+  }
+  for (int d = 0; d < D / 16; ++d) *reinterpret_cast<v16u*>(acc + 16 * d) = a[d];
+}
 
 // q: [B, H, D]; k, v: [slots, kvH, D] (one layer of the pool: slot = block * bs + offset); table: [B, nb] each
 // session's blocks (padded); ends: [B] one past each session's last position; out: [B, H, D].
@@ -149,24 +207,19 @@ void decode_attention_kernel(const T* q, const T* k, const T* v, const int64_t* 
         }
         j0 = j1;
       }
-      for (int64_t r = h0 * G; r < h1 * G; ++r) {  // softmax of each query head's row
-        float* __restrict__ sr = scores.data() + r * n;
-        float m = sr[0];
-        for (int64_t i = 1; i < n; ++i) m = std::max(m, sr[i]);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t i = 0; i < n; ++i) {
-          sr[i] = exp_nonpositive(sr[i] - m);
-          sum += sr[i];
-        }
-        const float inv = 1.f / sum;
-#pragma omp simd
-        for (int64_t i = 0; i < n; ++i) sr[i] *= inv;
-      }
+      for (int64_t r = h0 * G; r < h1 * G; ++r) softmax_row(scores.data() + r * n, n);  // each query head's
       std::fill(acc.begin() + h0 * G * D, acc.begin() + h1 * G * D, 0.f);
       for (int64_t j0 = begin; j0 < end;) {  // the weighted sum of values, a block at a time
         const int64_t blk = j0 / bs, j1 = std::min(end, (blk + 1) * bs);
         const T* vb = v + (blocks[blk] - blk) * bs * row;
+        if constexpr (std::is_same_v<T, float> && Dh > 0 && Dh % 16 == 0) {
+          for (int64_t h = h0; h < h1; ++h)
+            for (int64_t g = 0; g < G; ++g)
+              block_values<Dh>(scores.data() + (h * G + g) * n + j0 - begin, vb + j0 * row + h * D, row, j1 - j0,
+                               acc.data() + (h * G + g) * D);
+          j0 = j1;
+          continue;
+        }
         for (int64_t j = j0; j < j1; ++j) {
           for (int64_t h = h0; h < h1; ++h) {
             const T* __restrict__ r = vb + j * row + h * D;
