@@ -212,6 +212,21 @@ def test_bench_hop_times_both_transports_side_by_side():
 
 
 @pytest.mark.timeout(RUN_S + 60)
+def test_bench_attention_times_the_kernel_in_both_cases_for_both_shapes():
+    """This checkout's kernel, in a process of its own (as each tree's must be), two rounds: both cases of both head
+    shapes timed, each figure with its ratio to the first tree's."""
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_attention.py"), "--code", str(ROOT),
+                           "--sessions", "3", "--context", "40", "--runs", "3", "--rounds", "2"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=RUN_S)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    report = json.loads(proc.stdout.splitlines()[-1])
+    (figures,) = report["medians"].values()
+    assert {f"{shape} {case} ms" for shape in ("tiny", "270m") for case in ("scattered", "resident")} <= figures.keys()
+    assert all(value > 0 for value in figures.values())
+    assert proc.stdout.count("1.00x\n") == 12, proc.stdout  # ms, GB/s and ns of 2 shapes x 2 cases, each with its ratio
+
+
+@pytest.mark.timeout(RUN_S + 60)
 def test_bench_pass_times_each_weight_layout_side_by_side(tiny_model):
     """--weights: a copy of the model per layout (as loaded, packed panels with the norms apart, packed as a stage
     holds them), passes alternated; a time per layout and size in the JSON."""
