@@ -207,7 +207,7 @@ void decode_attention_kernel(const T* q, const T* k, const T* v, const int64_t* 
         }
         j0 = j1;
       }
-      for (int64_t r = h0 * G; r < h1 * G; ++r) softmax_row(scores.data() + r * n, n);  // each query head's
+      for (int64_t r = h0 * G; r < h1 * G; ++r) softmax_row(scores.data() + r * n, n);  // each query head's row
       std::fill(acc.begin() + h0 * G * D, acc.begin() + h1 * G * D, 0.f);
       for (int64_t j0 = begin; j0 < end;) {  // the weighted sum of values, a block at a time
         const int64_t blk = j0 / bs, j1 = std::min(end, (blk + 1) * bs);
