@@ -7,10 +7,11 @@ costs minutes, not bench.py's hour on the ~270M model.
     python scripts/bench_aggregate.py --medium --levels 32 --repeats 1 --also-with=--no-packed-weights
 
 Each --code DIR is a checkout whose stage and router processes run (`python -m stagemesh.cli` from DIR, started
-by that tree's own launcher); the trees take turns, --rounds times, each round a fresh mesh. --stage-arg and
---router-arg go to every tree's processes; --also-with measures every tree a second time with more stage flags
-(an arm per tree and flag set, in the same turns). Prints tokens/s per level, the median over every run, and each
-tree's ratio to the first.
+by that tree's own launcher); the trees take turns, --rounds times, each round a fresh mesh that runs each level
+--warmup times untimed first (a fresh stage's first sessions also pay for the first touch of its KV pool's
+pages). --stage-arg and --router-arg go to every tree's processes; --also-with measures every tree a second time
+with more stage flags (an arm per tree and flag set, in the same turns). Prints tokens/s per level, the median
+over every run, each tree's ratio to the first, and the streams' time to first token (they all start together).
 """
 
 from __future__ import annotations
@@ -50,28 +51,37 @@ def worker(a: argparse.Namespace) -> None:
                                     extra_stage_args=[*uncached, *(a.stage_arg or [])],
                                     extra_router_args=a.router_arg or None)
 
-    async def one(stub, ids: list[int], max_new: int) -> int:
-        tokens = 0
+    async def one(stub, ids: list[int], max_new: int, t0: float) -> tuple[int, float]:
+        """The stream's tokens and its time to first token (seconds from the level's start)."""
+        tokens, first = 0, 0.0
         async for response in stub.Generate(router_pb2.GenerateRequest(token_ids=ids, max_new_tokens=max_new)):
+            if not tokens and response.token_ids:
+                first = time.perf_counter() - t0
             tokens += len(response.token_ids)
-        return tokens
+        return tokens, first
 
     async def run() -> dict[str, list[float]]:
         async with grpc.aio.insecure_channel(router.address) as channel:
             stub = router_pb2_grpc.RouterStub(channel)
             for _ in range(120):  # until the router has its chain (bounded)
                 try:
-                    await one(stub, streams[0][0][:32], 4)
+                    await one(stub, streams[0][0][:32], 4, time.perf_counter())
                     break
                 except grpc.aio.AioRpcError:
                     await asyncio.sleep(1)
             out = {}
             for level in a.levels:
-                out[str(level)] = []
+                out[str(level)] = {"tok_s": [], "ttft_ms": [], "ttft_p90_ms": []}
+                for _ in range(a.warmup):
+                    await asyncio.gather(*(one(stub, ids, n, time.perf_counter()) for ids, n in streams[:level]))
                 for _ in range(a.repeats):
                     t0 = time.perf_counter()
-                    tokens = await asyncio.gather(*(one(stub, ids, n) for ids, n in streams[:level]))
-                    out[str(level)].append(sum(tokens) / (time.perf_counter() - t0))
+                    done = await asyncio.gather(*(one(stub, ids, n, t0) for ids, n in streams[:level]))
+                    took = time.perf_counter() - t0
+                    firsts = sorted(first * 1000 for _, first in done)
+                    out[str(level)]["tok_s"].append(sum(tokens for tokens, _ in done) / took)
+                    out[str(level)]["ttft_ms"].append(statistics.median(firsts))
+                    out[str(level)]["ttft_p90_ms"].append(firsts[int(0.9 * (len(firsts) - 1))])
             return out
 
     try:
@@ -87,6 +97,10 @@ def main() -> None:
     p.add_argument("--stages", type=int, default=2)
     p.add_argument("--levels", type=lambda s: [int(x) for x in s.split(",")], default=[32, 64])
     p.add_argument("--repeats", type=int, default=3, help="runs of each level per mesh")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="untimed runs of each level first (a fresh stage's first sessions also pay for its KV "
+                        "pool's first touch, which a VM's host may back slowly: README, 'A fresh pool's first "
+                        "touch')")
     p.add_argument("--rounds", type=int, default=1, help="times each tree gets a fresh mesh, in turns")
     p.add_argument("--code", action="append", type=Path, default=[], help="a checkout to measure (repeatable)")
     p.add_argument("--stage-arg", action="append", default=[], metavar="FLAG", help="e.g. --stage-arg=--compile")
@@ -106,26 +120,31 @@ def main() -> None:
     # Each arm: a tree, and the stage flags it runs with besides --stage-arg's.
     arms = [(c.resolve(), extra) for extra in ([[]] + ([a.also_with] if a.also_with else []))
             for c in (a.code or [ROOT])]
-    runs: list[dict[str, list[float]]] = [{} for _ in arms]
+    runs: list[dict[str, dict[str, list[float]]]] = [{} for _ in arms]
     flags = [f"--stage-arg={x}" for x in a.stage_arg] + [f"--router-arg={x}" for x in a.router_arg]
     for _ in range(a.rounds):
         for i, (tree, extra) in enumerate(arms):
             cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--model", a.model, "--stages",
-                   str(a.stages), "--levels", ",".join(map(str, a.levels)), "--repeats", str(a.repeats), *flags,
+                   str(a.stages), "--levels", ",".join(map(str, a.levels)), "--repeats", str(a.repeats),
+                   "--warmup", str(a.warmup), *flags,
                    *(f"--stage-arg={x}" for x in extra)]
             proc = subprocess.run(cmd, cwd=tree, capture_output=True, text=True)
             if proc.returncode:
                 sys.exit(f"{tree}: the mesh run failed:\n{proc.stderr[-3000:]}")
             for level, values in json.loads(proc.stdout.strip().splitlines()[-1]).items():
-                runs[i].setdefault(level, []).extend(values)
+                for key, v in values.items():
+                    runs[i].setdefault(level, {}).setdefault(key, []).extend(v)
             print(f"  {tree} {' '.join(extra)}: {json.dumps(runs[i])}", flush=True)
     print(f"aggregate tokens/s, {a.stages}-stage chain of {Path(a.model).name}, bench.py's mixed streams, "
-          f"{a.rounds} round(s) x {a.repeats} run(s): median [runs], x the first tree")
-    base = {level: statistics.median(v) for level, v in runs[0].items()}
+          f"{a.rounds} round(s) x {a.repeats} run(s): median [runs], x the first tree; time to first token "
+          f"(all streams start together): the median of the runs' medians and of their 90th percentiles")
+    base = {level: statistics.median(v["tok_s"]) for level, v in runs[0].items()}
     for (tree, extra), tree_runs in zip(arms, runs, strict=True):
-        cells = [f"{level} streams {statistics.median(v):.1f} [{', '.join(f'{x:.0f}' for x in v)}] "
-                 f"{statistics.median(v) / base[level]:.2f}x" for level, v in tree_runs.items()]
-        print(f"  {tree} {' '.join(extra)}\n    " + "   ".join(cells))
+        cells = [f"{level} streams {statistics.median(v['tok_s']):.1f} [{', '.join(f'{x:.0f}' for x in v['tok_s'])}] "
+                 f"{statistics.median(v['tok_s']) / base[level]:.2f}x, first token "
+                 f"{statistics.median(v['ttft_ms']):.0f} ms (p90 {statistics.median(v['ttft_p90_ms']):.0f})"
+                 for level, v in tree_runs.items()]
+        print(f"  {tree} {' '.join(extra)}\n    " + "\n    ".join(cells))
 
 
 if __name__ == "__main__":

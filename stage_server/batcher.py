@@ -84,6 +84,7 @@ class StepBatcher:
         self.model = model
         self.device = model.device
         self.config = config
+        self.max_tokens = config.pass_tokens(model.device.type)  # a pass's budget (--max-batch-tokens)
         self.queue: deque[StepRequest] = deque()
         self.wakeup = asyncio.Event()
         self.executor = executor
@@ -182,7 +183,7 @@ class StepBatcher:
                 if decode_room == 0:
                     continue  # the next group: the next pass takes it first (not aged: the queue keeps its order)
                 decode_room -= 1
-            if batch and tokens + r.length > self.config.max_batch_tokens:
+            if batch and tokens + r.length > self.max_tokens:
                 r.passes_skipped += 1
                 continue
             batch.append(r)

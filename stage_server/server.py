@@ -182,6 +182,7 @@ class StageServer:
         self.config = config
         self.tls = tls.load(config.tls)  # first: a wrong --tls stops the process before any weights are read
         self.device = resolve_device(config.device)
+        self.pass_tokens = config.batcher.pass_tokens(self.device.type)  # --max-batch-tokens, or the device's
         model_config = read_config(config.model)
         self.num_layers = model_config["num_hidden_layers"]
         check_tp(ModelArgs.from_config(model_config), config.tp, self.device)
@@ -189,7 +190,7 @@ class StageServer:
         self.fingerprint = serving_fingerprint(model_fingerprint(config.model), config.dtype, config.quantize)
         self.server = grpc_server.new_server(
             [StatusInterceptor(log, ERROR_CODES)],
-            max_step_bytes(config.batcher.max_batch_tokens, model_config["hidden_size"]))
+            max_step_bytes(self.pass_tokens, model_config["hidden_size"]))
         self.slot = StageSlot()
         stage_pb2_grpc.add_StageServicer_to_server(self.slot, self.server)
         self.health = grpc_server.add_health_and_reflection(self.server, [SERVICE_NAME])
@@ -275,14 +276,14 @@ class StageServer:
         self.pool = await self.in_compute(KVPool, kv_bytes, len(model.layers), args.num_kv_heads, args.head_dim,
                                           model.dtype, model.device, config.kv_block_size, config.kv_lookahead_blocks,
                                           config.huge_pages)
-        warm = await self.in_compute(warm_up, model, self.pool, config.batcher.max_batch_tokens, config.cuda_graphs)
+        warm = await self.in_compute(warm_up, model, self.pool, self.pass_tokens, config.cuda_graphs)
         warm_s = warm.seconds
         compiled = (f" with torch.compile ({compiled_graphs(model)} decode graphs)" if is_compiled(model)
                     else " (eager: compilation failed)") if config.compile else ""
         model.load_s += warm_s  # the cold start: load, then warm-up (and compilation) before serving
         log.info(f"warm-up in {warm_s * 1000:.0f} ms{compiled}{warm.graphs}; "
                  f"cold start {model.load_s:.2f}s before serving; "
-                 f"a decode step ~{warm.step_ms:.1f} ms, a full pass ({config.batcher.max_batch_tokens} tokens) "
+                 f"a decode step ~{warm.step_ms:.1f} ms, a full pass ({self.pass_tokens} tokens) "
                  f"~{warm.full_pass_ms:.0f} ms", extra={"stage": self.address})
         self.sessions = SessionTable(self.pool, args.max_position, LogBudget(int(config.output_log_gb * 2**30)),
                                      prefix_cache=config.prefix_cache and config.tp == 1)

@@ -384,7 +384,7 @@ class StageService(stage_pb2_grpc.StageServicer):
             step_ms=self.batcher.step_ms,
             pass_ms=self.batcher.pass_ms,
             load_s=model.load_s,
-            max_batch_tokens=self.batcher.config.max_batch_tokens,
+            max_batch_tokens=self.batcher.max_tokens,
             fingerprint=self.fingerprint,
             decode_phase_seconds=self.batcher.timing.decode_seconds,
             decode_steps=self.batcher.timing.decode_steps,

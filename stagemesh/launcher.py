@@ -51,8 +51,8 @@ class UpConfig:
     or etcd+https://...: a scheduler places the layers."""
     prefill_chunk: int = GenerationConfig.prefill_chunk
     """The router's --prefill-chunk: prompt tokens per pipelined chunk (0: the whole prompt at once)."""
-    max_batch_tokens: int = BatcherConfig.max_batch_tokens
-    """The stages' --max-batch-tokens: the token budget of one forward pass."""
+    max_batch_tokens: int | None = BatcherConfig.max_batch_tokens
+    """The stages' --max-batch-tokens: the token budget of one forward pass (default: theirs, by device)."""
     threads: int | None = None
     """torch threads per stage (default: this machine's cores shared out over the float32 stages)."""
     drain_timeout_s: float = 30.0
@@ -94,7 +94,9 @@ class UpConfig:
         # The router's and the stages' own bounds, checked here before any process starts.
         GenerationConfig(prefill_chunk=self.prefill_chunk)
         BatcherConfig(max_batch_tokens=self.max_batch_tokens)
-        if self.prefill_chunk > self.max_batch_tokens:
+        # Left out, the stages' budget is their device's (known to them, not here): the router then cuts prompts
+        # into chunks no larger than it, and says so.
+        if self.max_batch_tokens is not None and self.prefill_chunk > self.max_batch_tokens:
             raise ValueError(
                 f"--prefill-chunk {self.prefill_chunk}: more than --max-batch-tokens {self.max_batch_tokens}, "
                 "the most a stage runs in one pass (a larger chunk runs alone and holds other sessions' "
@@ -214,13 +216,14 @@ def run_up(config: UpConfig) -> None:
     log_dir = Path(config.log_dir) if config.log_dir else Path(tempfile.mkdtemp(prefix="stagemesh-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     drain = ["--drain-timeout-s", str(config.drain_timeout_s)]
+    budget = [] if config.max_batch_tokens is None else ["--max-batch-tokens", str(config.max_batch_tokens)]
     signal.signal(signal.SIGTERM, _interrupt)  # while starting, SIGTERM is Ctrl-C: what started is stopped
     load_tls(config.tls)  # a wrong directory stops here, not in every process
     mesh, router = start_local_mesh(model, stages=config.stages, replicas=config.replicas, router_port=config.port,
                                     dtype=config.dtype, quantize=config.quantize, registry=config.registry,
                                     prefill_chunk=config.prefill_chunk, threads=config.threads, log_dir=log_dir,
                                     tls=config.tls,
-                                    extra_stage_args=["--max-batch-tokens", str(config.max_batch_tokens), *drain],
+                                    extra_stage_args=[*budget, *drain],
                                     extra_router_args=drain)
     policy = RestartPolicy(config.restart_backoff_s, config.restart_backoff_max_s, config.restart_reset_s)
     supervisor = Supervisor(mesh, policy, info={"model": model, "router": router.address, "stages": config.stages,

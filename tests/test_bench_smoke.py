@@ -171,7 +171,8 @@ def test_bench_aggregate_runs_each_arm_and_reports_its_ratio_to_the_first(tmp_pa
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
     lines = proc.stdout.splitlines()
     rows = [i for i, line in enumerate(lines) if line.strip().startswith("2 streams")]
-    assert len(rows) == 2 and lines[rows[0]].endswith("1.00x"), proc.stdout
+    assert len(rows) == 2 and " 1.00x, first token " in lines[rows[0]], proc.stdout
+    assert all(line.endswith(")") and "p90" in line for line in (lines[r] for r in rows)), proc.stdout
     assert lines[rows[1] - 1].strip().endswith("--no-packed-weights"), proc.stdout
 
 

@@ -16,6 +16,7 @@ from router.chain_client import Chain, ChainSession, StageEndpoint
 from router.forwarding import ForwardingSession
 from router.generation import GenerationConfig
 from router.step_values import Sampling
+from stage_server.config import BatcherConfig
 from stagemesh import tensor_codec
 from stagemesh.fault_mesh import FaultMesh
 from stagemesh.link_proxy import LinkProxy
@@ -35,9 +36,9 @@ def open_sessions(mesh) -> int:
 
 
 @contextlib.asynccontextmanager
-async def one_chain(tiny_model, n_stages: int):
+async def one_chain(tiny_model, n_stages: int, **stage_options):
     """A mesh of one chain of n_stages stage servers (no router) and the router's Chain of it; closed after."""
-    mesh = await start_mesh(tiny_model, [LAYOUTS[n_stages]], router=False)
+    mesh = await start_mesh(tiny_model, [LAYOUTS[n_stages]], router=False, stage_options=stage_options or None)
     chain = Chain([StageEndpoint(s.address) for s in mesh.stages[0]])
     try:
         yield mesh, chain
@@ -200,7 +201,8 @@ async def test_sessions_ended_mid_send_leave_the_link_they_shared_up(tiny_model,
     stage is held (a black hole) with more hidden states on it than HTTP/2's windows let through (4 prefills
     of 1.8 MB): when the sessions end, one of them is mid-write."""
     ids, victims_n, long = prompt(9, seed=9), 4, prompt(1800, seed=10)
-    async with one_chain(tiny_model, 2) as (mesh, chain):
+    # Passes (and so messages) that take a 1,800-token prefill as one step: a CPU stage's default budget is 256.
+    async with one_chain(tiny_model, 2, batcher=BatcherConfig(max_batch_tokens=2048)) as (mesh, chain):
         with LinkProxy(chain.stages[1].address) as link:
             held = Chain([StageEndpoint(chain.stages[0].address), StageEndpoint(link.address)])
             victims = [ForwardingSession(held, 2048, f"victim-{i}") for i in range(victims_n)]
