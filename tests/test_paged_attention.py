@@ -111,15 +111,24 @@ def test_a_table_or_end_outside_the_pool_is_refused_not_read():
         kernel(q, k, v, table, torch.tensor([0, 30]), 16, 0, 0.1)
 
 
-def test_the_kernels_are_built_once_into_their_cache(tmp_path, monkeypatch):
+def test_a_build_lands_whole_in_the_cache_and_is_built_once(tmp_path, monkeypatch):
+    """The build's path (each source compiled, then one link, renamed into the cache) on two small sources: the
+    kernels' own sources build the same way, on first use by every kernel test here (~50 s of compiler a build)."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     if cpu_kernels.shutil.which("c++") is None:
         pytest.skip("no C++ compiler on PATH")
+    sources = [tmp_path / "one.cpp", tmp_path / "two.cpp"]
+    for i, source in enumerate(sources):
+        source.write_text(f'extern "C" int stagemesh_test_{i}() {{ return {i}; }}\n')
+    monkeypatch.setattr(cpu_kernels, "SOURCES", sources)
     (folder := tmp_path / "stagemesh" / "kernels").mkdir(parents=True)
     path, built = cpu_kernels._build()
     assert built and path.is_file() and path.is_relative_to(folder)
-    assert not list(path.parent.glob("*.part"))  # the half-written file was renamed, whole
+    assert sorted(f.name for f in path.parent.iterdir()) == ["build.lock", path.name]  # no .part, no .o left
     assert cpu_kernels._build() == (path, False)  # the cache, not another build
+    sources[1].write_text('extern "C" int stagemesh_test_1() { return 2; }\n')
+    changed, built = cpu_kernels._build()
+    assert built and changed != path  # another source, another key: built again, beside the first
 
 
 def test_no_compiler_means_no_kernels_and_says_why(monkeypatch, caplog):
