@@ -47,7 +47,7 @@ def worker(a: argparse.Namespace) -> None:
     # The repeats send the same prompts: a tree whose stages cache prefixes is told not to, so that every tree
     # computes what it is given.
     uncached = ["--no-prefix-cache"] if "prefix_cache" in StageConfig.__dataclass_fields__ else []
-    mesh, router = start_local_mesh(a.model, stages=a.stages, router_port=0,
+    mesh, router = start_local_mesh(a.model, stages=a.stages, router_port=0, threads=a.stage_threads,
                                     extra_stage_args=[*uncached, *(a.stage_arg or [])],
                                     extra_router_args=a.router_arg or None)
 
@@ -103,6 +103,8 @@ def main() -> None:
                         "touch')")
     p.add_argument("--rounds", type=int, default=1, help="times each tree gets a fresh mesh, in turns")
     p.add_argument("--code", action="append", type=Path, default=[], help="a checkout to measure (repeatable)")
+    p.add_argument("--stage-threads", type=int, default=None,
+                   help="torch threads per stage process (default: the CPUs shared among the mesh's stages)")
     p.add_argument("--stage-arg", action="append", default=[], metavar="FLAG", help="e.g. --stage-arg=--compile")
     p.add_argument("--router-arg", action="append", default=[], metavar="FLAG",
                    help="e.g. --router-arg=--slots-per-chain=64")
@@ -127,6 +129,7 @@ def main() -> None:
             cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--model", a.model, "--stages",
                    str(a.stages), "--levels", ",".join(map(str, a.levels)), "--repeats", str(a.repeats),
                    "--warmup", str(a.warmup), *flags,
+                   *(["--stage-threads", str(a.stage_threads)] if a.stage_threads else []),
                    *(f"--stage-arg={x}" for x in extra)]
             proc = subprocess.run(cmd, cwd=tree, capture_output=True, text=True)
             if proc.returncode:

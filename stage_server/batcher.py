@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from stage_server.compute_thread import set_own_threads
 from stage_server.config import BatcherConfig
 from stage_server.kv_pool import PREEMPTED, PoolExhausted, Preempted
 from stage_server.model import StageModel, StepSlice
@@ -92,6 +93,7 @@ class StepBatcher:
         # A lone short pass may run inline on the event loop only where the compute thread runs torch on one
         # thread: the event loop's is held to one (compute_thread.py), and would run a wider pass narrower.
         self.may_inline = model.device.type != "cpu" or (compute_threads or torch.get_num_threads()) == 1
+        self.base_threads = self._threads = compute_threads or torch.get_num_threads()
         self.recent_decode_ms: deque[float] = deque(maxlen=64)
         self.recent_pass_ms: deque[float] = deque(maxlen=64)  # every kind of pass
         self.warm_step_ms, self.full_pass_ms = warm_step_ms, full_pass_ms
@@ -221,7 +223,7 @@ class StepBatcher:
                     if self._inline(batch):
                         results = self._run_isolated(batch)
                     else:
-                        results = await loop.run_in_executor(self.executor, self._run_isolated, batch)
+                        results = await loop.run_in_executor(self.executor, self._on_compute, batch)
                 finally:
                     self.running = []
                 self._passed(batch, time.perf_counter() - t0)
@@ -250,6 +252,22 @@ class StepBatcher:
     def _short_decodes(self) -> bool:
         """Whether the last decode pass was short enough to run inline (and inline torch work is allowed)."""
         return self.may_inline and bool(self.recent_decode_ms) and self.recent_decode_ms[-1] < self.config.inline_max_ms
+
+    def pass_threads(self, batch: list[StepRequest]) -> int:
+        """The torch threads of a pass on the compute thread: --lone-session-threads for the decode step of a stage
+        that serves one session (its chain's other stages wait for it, their cores idle), else --threads."""
+        lone = self.config.lone_session_threads
+        if lone and len(batch) == 1 and batch[0].length == 1 and self.open_sessions and self.open_sessions() == 1:
+            return lone
+        return self.base_threads
+
+    def _on_compute(self, batch: list[StepRequest]) -> list[StepResult | Exception]:
+        """_run_isolated on the compute thread, on the pass's threads."""
+        threads = self.pass_threads(batch)
+        if threads != self._threads:
+            set_own_threads(threads)
+            self._threads = threads
+        return self._run_isolated(batch)
 
     def _run_isolated(self, batch: list[StepRequest]) -> list[StepResult | Exception]:
         """Runs the pass; if it fails, runs its steps one by one so that only a failing step fails.

@@ -9,10 +9,11 @@ decoded at 45-50 ms/token instead of 36-37 (README, "Threads")."""
 
 from __future__ import annotations
 
+import functools
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
-from threadpoolctl import threadpool_limits
+from threadpoolctl import ThreadpoolController, threadpool_limits
 
 
 def compute_executor() -> ThreadPoolExecutor:
@@ -28,3 +29,16 @@ def hold_to_one_thread() -> None:
     library, and so the compute thread's. torch's own read comes first, so that it does not undo this one."""
     torch.get_num_threads()
     threadpool_limits(1, user_api="openmp")
+
+
+@functools.cache
+def _openmp() -> ThreadpoolController:
+    return ThreadpoolController().select(user_api="openmp")
+
+
+def set_own_threads(threads: int) -> None:
+    """The calling thread's OpenMP count (omp_set_num_threads on it alone, ~10 µs): the compute thread's for one
+    pass (batcher.py, --lone-session-threads). torch.set_num_threads would also set the process-wide count that
+    each thread and library reads once, lazily: the event loop's first kernel call after it would start a team."""
+    for library in _openmp().lib_controllers:
+        library.set_num_threads(threads)

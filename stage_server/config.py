@@ -38,6 +38,12 @@ class BatcherConfig:
     decode_group_min_rows: int = 16
     """The fewest decode steps a group holds: below ~16 rows a pass costs about what the weights take to read,
     and two small passes cost twice one."""
+    lone_session_threads: int = 0
+    """Torch threads for the decode passes of a stage that serves one session, where they run on its compute
+    thread (0: --threads). A lone stream's stages take turns, so the one whose turn it is may use the cores the
+    others are not using: where one thread streams half the memory's bandwidth, as on this project's Intel VMs, a
+    2-stage chain of 1-thread stages decoded a ~270M stream 1.3-1.6x faster with 2 (README, "A lone session's
+    stages take the chain's cores")."""
 
     def __post_init__(self) -> None:
         if not self.batch_window_ms >= 0:
@@ -50,6 +56,8 @@ class BatcherConfig:
             raise refused(self, "decode_groups", "must be >= 1 (1: one pass takes every waiting decode step)")
         if not self.decode_group_min_rows >= 1:
             raise refused(self, "decode_group_min_rows", "must be >= 1 decode step")
+        if not self.lone_session_threads >= 0:
+            raise refused(self, "lone_session_threads", "must be >= 0 threads (0: --threads)")
 
     def pass_tokens(self, device_type: str) -> int:
         """The token budget of one pass on a device of this type ("cpu", "cuda"): --max-batch-tokens, or

@@ -147,17 +147,21 @@ def start_local_mesh(model: str, *, stages: int, replicas: int = 1, router_port:
     with --compile compiling in its warm-up: minutes on a large slice with inductor's cache cold)."""
     num_layers = read_config(model)["num_hidden_layers"]  # as the stages read it (transformers' config: ~2 s)
     mesh = LocalMesh(model, log_dir or Path(tempfile.mkdtemp(prefix="stagemesh-")))
+    cpus = os.cpu_count() or 1
+    lone: list[str] = []
     if threads is None:
         # Co-located stages share the cores (README, "Threads"). float32 decode is bandwidth-bound: one
-        # torch thread per stage beat two on 2 cores. A 16-bit GEMV on the CPU is compute-bound on one
-        # thread (half the bandwidth), so the stages of a chain share the chain's cores: one stream's
-        # stages take turns, and OMP_WAIT_POLICY=PASSIVE keeps the waiting one off them.
-        cpus = os.cpu_count() or 1
+        # torch thread per stage beat two on 2 cores under many streams; a lone stream's stages take turns, and
+        # the one whose turn it is takes the chain's cores (--lone-session-threads). A 16-bit GEMV on the CPU is
+        # compute-bound on one thread (half the bandwidth), so the stages of a chain share the chain's cores.
+        # OMP_WAIT_POLICY=PASSIVE (threads outnumber the cores) keeps the waiting stage off them.
         threads = max(1, cpus // (stages * replicas if dtype == "float32" else replicas))
-    env = stage_env(threads, shared_cores=threads * stages * replicas > (os.cpu_count() or 1))
+        if dtype == "float32" and cpus // replicas > threads:
+            lone = ["--lone-session-threads", str(cpus // replicas)]
+    env = stage_env(threads, shared_cores=threads * stages * replicas > cpus or bool(lone))
     secure = ["--tls", tls] if tls else []
     stage_args = ["stage", "--model", model, "--dtype", dtype, "--threads", str(threads), "--quantize", quantize,
-                  *secure, *(extra_stage_args or [])]
+                  *lone, *secure, *(extra_stage_args or [])]
     # The scheduler sizes weights as the stages hold them.
     sizing = ["--dtype", dtype, "--quantize", quantize, *secure]
     router_args = ["router", "--model", model, "--port", str(router_port), "--prefill-chunk", str(prefill_chunk),

@@ -4,16 +4,18 @@ cores, so a second team (the event loop's, or a loader thread's) slowed every pa
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import torch
 
 from router.server import RouterConfig, RouterServer
 from stage_server import server as server_module
-from stage_server.config import StageConfig
+from stage_server.config import BatcherConfig, StageConfig
 from stage_server.model import StageModel
 from stage_server.server import StageServer
 from tests.conftest import Mesh, collect
+from tests.test_exactness import prompt
 from tests.test_traffic import request
 
 
@@ -55,6 +57,45 @@ async def test_a_two_thread_stage_loads_warms_up_and_runs_every_pass_on_its_comp
         assert torch.get_num_threads() == 1
         assert server.compute.submit(torch.get_num_threads).result() == 2
         assert not server.batcher.may_inline  # a lone decode step is not run on the event loop's one thread
+    finally:
+        await mesh.stop()
+        torch.set_num_threads(threads_before)
+
+
+async def test_a_stage_serving_one_session_decodes_on_its_lone_session_threads(tiny_model, monkeypatch):
+    """--lone-session-threads: while a 1-thread stage serves one session (the other stages of its chain wait on
+    it, their cores idle) its decode passes run on 2 threads; with two sessions on 1, as do prompts. The tokens are
+    the same either way, and the event loop's thread keeps its one."""
+    passes: list[tuple[int, int, int]] = []  # (steps, tokens, torch threads) of each pass
+    real_forward = StageModel.forward
+
+    def forward(self, inputs, steps):
+        passes.append((len(steps), inputs.shape[0], torch.get_num_threads()))
+        return real_forward(self, inputs, steps)
+
+    monkeypatch.setattr(StageModel, "forward", forward)
+    threads_before = torch.get_num_threads()
+    mesh = Mesh()
+    try:
+        server = StageServer(StageConfig(
+            model=str(tiny_model), layer_start=0, layer_end=8, threads=1, kv_cache_gb=0.1,
+            batcher=BatcherConfig(lone_session_threads=2, inline_max_ms=0, batch_window_ms=2)))  # on the compute thread
+        mesh.stages.append([server])
+        await server.start(await server.in_compute(server.load, 0, 8))
+        mesh.router = RouterServer(RouterConfig(model=str(tiny_model), chains=[server.address], port=0))
+        await mesh.router.start()
+        first, second = prompt(9, seed=41), prompt(23, seed=42)
+        passes.clear()  # the warm-up's
+        alone, _, _ = await collect(mesh.router_stub.Generate(request(first, 10)))
+        assert {threads for _, tokens, threads in passes if tokens == 1} == {2}  # every decode pass
+        assert {threads for _, tokens, threads in passes if tokens > 1} == {1}  # the prompt
+        passes.clear()
+        together = await asyncio.gather(*(collect(mesh.router_stub.Generate(request(p, 10)))
+                                          for p in (first, second)))
+        assert together[0][0] == alone
+        both = [threads for steps, _, threads in passes if steps == 2]
+        assert both and set(both) == {1}
+        assert torch.get_num_threads() == 1
     finally:
         await mesh.stop()
         torch.set_num_threads(threads_before)
