@@ -92,8 +92,8 @@ class StepBatcher:
         self.open_sessions = open_sessions
         # A lone short pass may run inline on the event loop only where the compute thread runs torch on one
         # thread: the event loop's is held to one (compute_thread.py), and would run a wider pass narrower.
-        self.may_inline = model.device.type != "cpu" or (compute_threads or torch.get_num_threads()) == 1
-        self.base_threads = self._threads = compute_threads or torch.get_num_threads()
+        self.base_threads = compute_threads or torch.get_num_threads()
+        self.may_inline = model.device.type != "cpu" or self.base_threads == 1
         self.recent_decode_ms: deque[float] = deque(maxlen=64)
         self.recent_pass_ms: deque[float] = deque(maxlen=64)  # every kind of pass
         self.warm_step_ms, self.full_pass_ms = warm_step_ms, full_pass_ms
@@ -264,9 +264,8 @@ class StepBatcher:
     def _on_compute(self, batch: list[StepRequest]) -> list[StepResult | Exception]:
         """_run_isolated on the compute thread, on the pass's threads."""
         threads = self.pass_threads(batch)
-        if threads != self._threads:
+        if threads != torch.get_num_threads():  # this thread's count, as the pass's kernels will read it
             set_own_threads(threads)
-            self._threads = threads
         return self._run_isolated(batch)
 
     def _run_isolated(self, batch: list[StepRequest]) -> list[StepResult | Exception]:
