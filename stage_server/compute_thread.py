@@ -13,7 +13,7 @@ import functools
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
-from threadpoolctl import ThreadpoolController, threadpool_limits
+from threadpoolctl import ThreadpoolController
 
 
 def compute_executor() -> ThreadPoolExecutor:
@@ -24,11 +24,11 @@ def compute_executor() -> ThreadPoolExecutor:
 def hold_to_one_thread() -> None:
     """Called on the event loop's thread: torch there runs inline from now on, never on a team of its own.
 
-    Only this thread's OpenMP count is set (threadpoolctl: omp_set_num_threads on the calling thread):
-    torch.set_num_threads would also set the process-wide count that torch reads once per thread and
-    library, and so the compute thread's. torch's own read comes first, so that it does not undo this one."""
+    Only this thread's OpenMP count is set (set_own_threads): torch.set_num_threads would also set the
+    process-wide count that torch reads once per thread and library, and so the compute thread's. torch's own
+    read comes first, so that it does not undo this one."""
     torch.get_num_threads()
-    threadpool_limits(1, user_api="openmp")
+    set_own_threads(1)
 
 
 @functools.cache
