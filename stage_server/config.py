@@ -175,7 +175,8 @@ class StageConfig:
     """Relative speed announced to the scheduler: a host half as fast says 0.5 and gets fewer layers."""
     quantize: Quantization = "none"
     """int8: Linear weights in int8 (int8 kernels on CPU float32, weight-only elsewhere); int8-weight-only:
-    the portable path on any device (stage_server/quantize.py; the README gives the accuracy cost)."""
+    int8 weights, activations in the model's dtype, on any device (on a CPU float32 stage in int8 panels for
+    stagemesh's kernel; stage_server/quantize.py; the README gives the accuracy cost)."""
     preload: bool = False
     """Read every weight page at start, so that no request pays for a cold page (tensors used as stored
     are otherwise views of the memory-mapped safetensors file, read on first use); Stage/Info reports

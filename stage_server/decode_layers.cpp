@@ -65,7 +65,7 @@ at::Tensor layer_pass(const at::Tensor& x, const c10::List<std::optional<at::Ten
                       const at::Tensor& ends, int64_t block_size, int64_t window, int64_t H, double scale) {
   const int64_t B = x.size(0), hidden = x.size(1), kvH = k_pool.size(1), D = k_pool.size(2);
   const at::Tensor down = required(weights, i, 8, "down");
-  const int64_t I = down.size(1);  // the MLP's intermediate size: the down projection's inputs
+  const int64_t I = packed_inputs(down);  // the MLP's intermediate size: the down projection's inputs
   const int64_t width = (H + 2 * kvH) * D;
   const at::Tensor qkv_out = packed_linear(x, required(weights, i, 0, "qkv"), optional(weights, i, 1), width,
                                            required(weights, i, 2, "input norm"), input_eps);  // [B, width]

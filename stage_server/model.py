@@ -148,11 +148,12 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-def replace_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> None:
-    """Puts make(linear) in place of every nn.Linear of the model (int8 weights, packed weights)."""
+def replace_linears(model: nn.Module, make: Callable[[nn.Module], nn.Module],
+                    kinds: tuple[type[nn.Module], ...] = (nn.Linear,)) -> None:
+    """Puts make(linear) in place of every Linear of the model (of kinds: int8 weights, packed weights)."""
     for parent in list(model.modules()):
         for name, child in parent.named_children():
-            if isinstance(child, nn.Linear):
+            if isinstance(child, kinds):
                 setattr(parent, name, make(child))
 
 

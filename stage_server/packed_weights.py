@@ -16,6 +16,11 @@ rows of its pass.
 The RMSNorm before a packed Linear (each decoder layer's two, and the final norm before an untied LM head) runs
 inside the Linear's call: eager PyTorch spends half a dozen small ops on a norm, which on the tiny model cost a
 fifth of a decode pass and on the ~270M model 7% (README, "The norm inside the Linear").
+
+With --quantize int8-weight-only the panels hold the int8 weights (quantize.Int8WeightLinear's, one scale per
+output column), each panel's 16 scales after its rows, and the kernel widens them to float32 as it reads them: a
+quarter of the bytes a token reads, the activations float32 throughout, as Int8WeightLinear computes (which
+widens the whole weight at every call instead).
 """
 
 from __future__ import annotations
@@ -26,9 +31,13 @@ from torch import nn
 
 from stage_server import cpu_kernels, huge_pages
 from stage_server.model import RMSNorm, StageModel, replace_linears
+from stage_server.quantize import Int8WeightLinear
 
 PANEL = 16
 """Output columns per panel (packed_linear.cpp's kPanel)."""
+SCALE_ROWS = 4
+"""An int8 panel's 16 float32 scales, after its rows of weights: 4 rows of 16 bytes (packed_linear.cpp's
+kScaleRows)."""
 
 
 def available(model: StageModel) -> str | None:
@@ -42,26 +51,34 @@ def available(model: StageModel) -> str | None:
     return None
 
 
-def panels_of(weight: torch.Tensor, huge: bool = True) -> torch.Tensor:
+def panels_of(weight: torch.Tensor, huge: bool = True, scale: torch.Tensor | None = None) -> torch.Tensor:
     """weight [N, K] (any strides) as panels [ceil(N / 16), K, 16], the last padded with zero columns; with huge,
-    on 2 MiB pages (huge_pages.py: the panels are streamed every step)."""
+    on 2 MiB pages (huge_pages.py: the panels are streamed every step). With scale (an int8 weight's float32 scale
+    per row): [ceil(N / 16), K + 4, 16] int8, each panel's rows followed by its 16 scales (0 for padding columns)."""
     n, k = weight.shape
-    panels = huge_pages.zeros((-(-n // PANEL), k, PANEL), weight.dtype, huge)
+    count = -(-n // PANEL)
+    panels = huge_pages.zeros((count, k + (0 if scale is None else SCALE_ROWS), PANEL), weight.dtype, huge)
+    rows = panels[:, :k]
     whole = n // PANEL
-    panels[:whole].copy_(weight[:whole * PANEL].unflatten(0, (whole, PANEL)).transpose(1, 2))
+    rows[:whole].copy_(weight[:whole * PANEL].unflatten(0, (whole, PANEL)).transpose(1, 2))
     if n % PANEL:
-        panels[whole, :, :n % PANEL].copy_(weight[whole * PANEL:].t())
+        rows[whole, :, :n % PANEL].copy_(weight[whole * PANEL:].t())
+    if scale is not None:  # a panel's 16 scales as its last 64 bytes: [count, 4, 16] int8 as [count, 4, 4] float32
+        scales = F.pad(scale.float(), (0, count * PANEL - n)).view(count, SCALE_ROWS, -1)
+        panels[:, k:].view(torch.float32).copy_(scales)
     return panels
 
 
 class PackedLinear(nn.Module):
-    """A float32 Linear whose weight is held as panels only, multiplied by stagemesh::packed_linear."""
+    """A float32 Linear whose weight is held as panels only (float32, or an Int8WeightLinear's int8 weights and
+    scales), multiplied by stagemesh::packed_linear."""
 
-    def __init__(self, linear: nn.Linear, huge: bool = True):
+    def __init__(self, linear: nn.Linear | Int8WeightLinear, huge: bool = True):
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.out_features, self.in_features = linear.weight.shape
+        scale = linear.scale if isinstance(linear, Int8WeightLinear) else None
         with torch.no_grad():
-            self.panels = nn.Parameter(panels_of(linear.weight, huge), requires_grad=False)
+            self.panels = nn.Parameter(panels_of(linear.weight, huge, scale), requires_grad=False)
             padding = self.panels.shape[0] * PANEL - self.out_features  # the kernel reads whole panels of bias too
             self.bias = None if linear.bias is None else nn.Parameter(F.pad(linear.bias, (0, padding)),
                                                                       requires_grad=False)
@@ -81,7 +98,8 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         norm = f", RMSNorm first (eps={self.eps})" if self.norm_weight is not None else ""
-        return f"in_features={self.in_features}, out_features={self.out_features}, panels of {PANEL}{norm}"
+        int8 = " int8" if self.panels.dtype == torch.int8 else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, panels of {PANEL}{int8}{norm}"
 
 
 class NormInNextLinear(nn.Module):
@@ -97,23 +115,23 @@ class NormInNextLinear(nn.Module):
 
 
 def padding_bytes(model: nn.Module) -> int:
-    """The zero columns that fill the packed Linears' last panels: memory held, not weights."""
-    return sum(m.panels.nbytes - m.out_features * m.in_features * m.panels.element_size()
+    """The zero columns that fill the packed Linears' last panels: memory held, not weights (nor scales)."""
+    return sum((m.panels.shape[0] * PANEL - m.out_features) * m.panels.shape[1] * m.panels.element_size()
                + (0 if m.bias is None else m.bias.nbytes - m.out_features * m.bias.element_size())
                for m in model.modules() if isinstance(m, PackedLinear))
 
 
 def pack(model: StageModel, huge: bool = True) -> int:
-    """Puts a PackedLinear in place of every nn.Linear of the model whose weight it alone holds (a tied LM head,
-    which shares the embeddings' weight, stays as it is: packing it would hold that weight twice), and moves each
-    RMSNorm into the packed Linear after it. Returns the bytes of the weights packed (freed as loaded, held again
-    as panels). huge: the panels on 2 MiB pages (huge_pages.py)."""
+    """Puts a PackedLinear in place of every nn.Linear (and Int8WeightLinear: int8 panels) of the model whose weight
+    it alone holds (a tied LM head, which shares the embeddings' weight, stays as it is: packing it would hold that
+    weight twice), and moves each RMSNorm into the packed Linear after it. Returns the bytes of the weights packed
+    (freed as loaded, held again as panels). huge: the panels on 2 MiB pages (huge_pages.py)."""
     embedding = model.embed_tokens.weight.data_ptr() if model.embed_tokens is not None else None
 
-    def make(linear: nn.Linear) -> nn.Module:
+    def make(linear: nn.Linear | Int8WeightLinear) -> nn.Module:
         return linear if linear.weight.data_ptr() == embedding else PackedLinear(linear, huge)
 
-    replace_linears(model, make)
+    replace_linears(model, make, (nn.Linear, Int8WeightLinear))
     norms_before = [(layer, "input_layernorm", layer.self_attn.qkv_proj) for layer in model.layers]
     norms_before += [(layer, "post_attention_layernorm", layer.mlp.gate_up_proj) for layer in model.layers]
     if model.norm is not None:

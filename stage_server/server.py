@@ -221,8 +221,8 @@ class StageServer:
 
     def _why_not_packed(self, model: StageModel) -> str | None:
         """Why this stage's Linear weights stay in torch's layout (None: they are packed, packed_weights.py)."""
-        if self.config.quantize != "none" or self.config.tp > 1:
-            return "--quantize and --tp hold their Linears their own way"
+        if self.config.quantize == "int8" or self.config.tp > 1:  # int8-weight-only packs its int8 weights
+            return "--quantize int8 and --tp hold their Linears their own way"
         return packed_weights.available(model)
 
     def load(self, layer_start: int, layer_end: int | None) -> StageModel:
@@ -247,7 +247,8 @@ class StageServer:
         if self.config.packed_weights:
             if (why := self._why_not_packed(model)) is None:
                 packed = packed_weights.pack(model, self.config.huge_pages)
-                log.info(f"Linear weights packed in panels for stagemesh's kernel: {packed / 2**20:.0f} MiB")
+                int8 = "int8 " if self.config.quantize != "none" else ""
+                log.info(f"Linear weights packed in {int8}panels for stagemesh's kernel: {packed / 2**20:.0f} MiB")
             else:
                 log.info(f"Linear weights in torch's layout: {why}")
         if self.config.fused_layers:

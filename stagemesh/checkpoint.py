@@ -22,7 +22,8 @@ ServingDtype = Literal["float32", "bfloat16", "float16"]
 """The dtypes a stage serves in, and the scheduler sizes weights at."""
 Quantization = Literal["none", "int8", "int8-weight-only"]
 """int8: Linear weights in int8 (int8 kernels on CPU float32, weight-only elsewhere); int8-weight-only:
-the portable path on any device. Either way a Linear weight weighs one byte plus a scale per row."""
+int8 weights, activations in the model's dtype, on any device. Either way a Linear weight weighs one byte plus a
+scale per row."""
 QUANTIZE = get_args(Quantization)
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 

@@ -17,6 +17,7 @@ from stage_server import cpu_kernels, packed_weights, paged_attention
 from stage_server.kv_pool import KVPool
 from stage_server.loader import load_stage
 from stage_server.model import RMSNorm
+from stage_server.quantize import Int8WeightLinear
 from stagemesh.tiny_model import make_tiny_model
 from stagemesh.v1 import router_pb2
 from tests.conftest import (
@@ -58,6 +59,24 @@ def test_a_packed_linear_is_the_linear_for_any_shape_and_rows(shape):
             torch.testing.assert_close(packed(x).double(), ref, atol=1e-5, rtol=1e-5)
         x = torch.randn(2, 5, in_features)
         torch.testing.assert_close(packed(x), linear(x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(100, 64, True), (48, 33, False), (3, 40, False), (50, 700, True)],
+                         ids=["padded-panel", "odd-features", "less-than-a-panel", "several-slices"])
+def test_int8_panels_compute_what_the_int8_linear_computes(shape):
+    """--quantize int8-weight-only on a CPU float32 stage: the int8 weights and their scales in panels, widened as
+    the kernel reads them, equal Int8WeightLinear (which widens the whole weight per call) within float32 rounding,
+    for every pass shape the float panels take; the panels hold a byte per weight and the scales."""
+    out_features, in_features, bias = shape
+    torch.manual_seed(out_features + in_features)
+    int8 = Int8WeightLinear(nn.Linear(in_features, out_features, bias=bias))
+    packed = packed_weights.PackedLinear(int8)
+    count = -(-out_features // 16)
+    assert packed.panels.dtype == torch.int8 and packed.panels.shape == (count, in_features + 4, 16)
+    with torch.inference_mode():
+        for rows in (0, 1, 2, 3, 5, 6, 7, 13, 64, 70, 131):
+            x = torch.randn(rows, in_features)
+            torch.testing.assert_close(packed(x), int8(x), atol=1e-5, rtol=1e-5)
 
 
 def test_a_rows_result_does_not_depend_on_the_rest_of_its_pass():
@@ -165,7 +184,7 @@ def test_only_float32_cpu_weights_are_packed(tiny_model):
 
 @pytest.mark.parametrize("options", [{"quantize": "int8"}, {"packed_weights": False}], ids=["int8", "off"])
 async def test_stages_that_hold_their_linears_otherwise_keep_them(tiny_model, options):
-    """--quantize keeps its int8 Linears, --no-packed-weights torch's; each stage still serves."""
+    """--quantize int8 keeps torch.ao's int8 Linears, --no-packed-weights torch's; each stage still serves."""
     mesh = await start_mesh(tiny_model, [splits(3, 5)], stage_options=options)
     try:
         for stage in mesh.all_stages():

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 from router.chain_client import Chain, ChainSession, StageEndpoint
 from router.step_values import Sampling
 from stage_server.loader import load_stage
+from stage_server.packed_weights import PackedLinear
 from stage_server.quantize import Int8WeightLinear, quantize
 from stagemesh import tensor_codec
-from tests.conftest import splits, start_mesh
+from stagemesh.v1 import router_pb2
+from tests.conftest import collect, splits, start_mesh
 
 
 async def last_logits(mesh, ids: list[int]) -> torch.Tensor:
@@ -37,6 +40,28 @@ async def test_int8_stage_serves_logits_close_to_float32(tiny_model, how):
             await mesh.stop()
     assert (logits[how] - logits["none"]).abs().max() < 0.2
     assert not torch.equal(logits[how], logits["none"])  # it really ran quantized
+
+
+async def test_int8_weight_only_on_cpu_float32_serves_from_int8_panels(tiny_model):
+    """A CPU float32 stage with --quantize int8-weight-only packs its int8 weights for stagemesh's kernel (a byte
+    per weight, every Linear, the untied head's int8 copy too) and serves what the unpacked Int8WeightLinears
+    compute: greedy tokens equal, logits within 1e-4."""
+    logits, tokens = {}, {}
+    for packed in (True, False):
+        mesh = await start_mesh(tiny_model, [splits(3, 5)], stage_options={"quantize": "int8-weight-only",
+                                                                            "packed_weights": packed})
+        try:
+            for stage in mesh.all_stages():
+                held = [m for m in stage.model.modules() if isinstance(m, (PackedLinear, Int8WeightLinear, nn.Linear))]
+                assert {type(m) for m in held} == ({PackedLinear} if packed else {Int8WeightLinear})
+                assert all(m.panels.dtype == torch.int8 for m in held if packed)
+            logits[packed] = await last_logits(mesh, list(range(10, 40)))
+            tokens[packed], _, _ = await collect(mesh.router_stub.Generate(
+                router_pb2.GenerateRequest(token_ids=[5, 6, 7], max_new_tokens=12)))
+        finally:
+            await mesh.stop()
+    assert tokens[True] == tokens[False] and len(tokens[True]) == 12
+    torch.testing.assert_close(logits[True], logits[False], atol=1e-4, rtol=0)
 
 
 def test_int8_off_cpu_float32_keeps_int8_weights_and_a_scale_per_output_channel(tiny_model):
