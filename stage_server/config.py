@@ -206,8 +206,9 @@ class StageConfig:
     (stage_server/packed_weights.py; built with the paged attention kernel): on an AMD EPYC a ~270M stage's pass of
     4 decode steps 2x faster than MKL's, a lone step 1.2x on one thread and 1.6x on two. The same memory as the
     weights as loaded. With --compile the kernel is an op in the graph. Not applied (logged) on other devices and
-    dtypes, with --quantize or --tp (their Linears are their own), or where the kernels cannot be built;
-    --no-packed-weights keeps torch's layout."""
+    dtypes, with --quantize int8 or --tp (their Linears are their own), or where the kernels cannot be built;
+    with --quantize int8-weight-only the panels hold its int8 weights and their scales; --no-packed-weights keeps
+    torch's layout."""
     huge_pages: bool = True
     """On the CPU, the packed weights (and float32 weights in torch's transposed layout) and the KV pool lie on 2 MiB
     pages where the kernel offers transparent huge pages (stage_server/huge_pages.py): fewer TLB misses for the

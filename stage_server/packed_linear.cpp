@@ -23,8 +23,10 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 #include <torch/library.h>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>  // the int8 weights' widening loads (weights<L>)
+#endif
 
 #include <algorithm>
 #include <cmath>

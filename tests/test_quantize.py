@@ -9,6 +9,7 @@ from torch import nn
 
 from router.chain_client import Chain, ChainSession, StageEndpoint
 from router.step_values import Sampling
+from stage_server import cpu_kernels
 from stage_server.loader import load_stage
 from stage_server.packed_weights import PackedLinear
 from stage_server.quantize import Int8WeightLinear, quantize
@@ -42,6 +43,8 @@ async def test_int8_stage_serves_logits_close_to_float32(tiny_model, how):
     assert not torch.equal(logits[how], logits["none"])  # it really ran quantized
 
 
+@pytest.mark.skipif(not cpu_kernels.load(), reason="the CPU kernels could not be built here "
+                                                  "(tests/test_paged_attention.py says why)")
 async def test_int8_weight_only_on_cpu_float32_serves_from_int8_panels(tiny_model):
     """A CPU float32 stage with --quantize int8-weight-only packs its int8 weights for stagemesh's kernel (a byte
     per weight, every Linear, the untied head's int8 copy too) and serves what the unpacked Int8WeightLinears
