@@ -42,7 +42,14 @@ async def test_scheduler_skips_bad_registrations_and_keeps_scheduling(plane, cap
             assert layouts(await wait_for_chains(stub, lambda c: len(c) == 1)) == [[(0, 8)]]
             await asyncio.sleep(1.0)  # several more rounds of the loop over the same bad records
         assert await _generate(stub)
-        assert not plane.schedulers[0][1].done() and scheduler.leading
+        assert not plane.schedulers[0][1].done()  # its loop survived every bad record
+        # and it leads: at once, or after campaigning again where a loaded machine stalled this process's event loop
+        # past the plane's 1 s lock TTL (seen once in a full suite: "lost the leader lock; standing by")
+        for _ in range(100):
+            if scheduler.leading:
+                break
+            await asyncio.sleep(0.1)
+        assert scheduler.leading
         ignored = [r.getMessage() for r in caplog.records if "ignoring registration rogue-" in r.getMessage()]
         assert sorted({m.split()[2].rstrip(":") for m in ignored}) == sorted(f"rogue-{n}" for n in BAD_REGISTRATIONS)
         assert len(ignored) == len(BAD_REGISTRATIONS)  # once each, not once per poll
