@@ -11,6 +11,7 @@ from stagemesh.discovery.backends import open_registry
 from stagemesh.discovery.registry import ServiceRecord, assignment_key, chains_key
 from stagemesh.v1 import router_pb2
 from tests.conftest import collect
+from tests.test_claims import until
 from tests.test_scheduler import layouts, plane, wait_for_chains  # noqa: F401 - plane is a fixture
 
 BAD_REGISTRATIONS = {
@@ -45,11 +46,7 @@ async def test_scheduler_skips_bad_registrations_and_keeps_scheduling(plane, cap
         assert not plane.schedulers[0][1].done()  # its loop survived every bad record
         # and it leads: at once, or after campaigning again where a loaded machine stalled this process's event loop
         # past the plane's 1 s lock TTL (seen once in a full suite: "lost the leader lock; standing by")
-        for _ in range(100):
-            if scheduler.leading:
-                break
-            await asyncio.sleep(0.1)
-        assert scheduler.leading
+        await until(lambda: scheduler.leading, 10.0, "the scheduler leads")
         ignored = [r.getMessage() for r in caplog.records if "ignoring registration rogue-" in r.getMessage()]
         assert sorted({m.split()[2].rstrip(":") for m in ignored}) == sorted(f"rogue-{n}" for n in BAD_REGISTRATIONS)
         assert len(ignored) == len(BAD_REGISTRATIONS)  # once each, not once per poll
