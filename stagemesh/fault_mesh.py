@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import signal
 import socket
+import urllib.request
 from pathlib import Path
 
 import grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from stagemesh.launcher import LocalMesh, even_split, stage_env
 from stagemesh.link_proxy import LinkProxy
@@ -50,6 +52,7 @@ class FaultMesh:
         self.per_chain = stages
         self.stage_args = list(stage_args)
         self.ports = free_ports(len(self.layers))
+        self.router_metrics_port = free_port()
         self.links: list[LinkProxy] = []
         try:
             # The proxies listen first and the router starts with the stages: it health-checks its chains until
@@ -59,7 +62,8 @@ class FaultMesh:
                      for c in range(0, len(self.links), stages)]
             *self.stages, self.router = self.mesh.spawn_together(
                 [*(self._stage_spec(i) for i in range(len(self.layers))),
-                 ("router", ["router", "--model", self.model, "--port", "0", *router_args,
+                 ("router", ["router", "--model", self.model, "--port", "0",
+                             "--metrics-port", str(self.router_metrics_port), *router_args,
                              *[a for spec in specs for a in ("--chain", spec)]])], stage_env(1),
                 timeout=ready_timeout_s)
         except BaseException:
@@ -86,6 +90,13 @@ class FaultMesh:
                 info = stage_pb2_grpc.StageStub(channel).Info(stage_pb2.InfoRequest(), timeout=5)
             out.append((info.open_sessions, info.kv_used_bytes))
         return out
+
+    def router_counter(self, name: str) -> float:
+        """A counter of the router's /metrics (its total over every label; 0 before it is first counted)."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.router_metrics_port}/metrics", timeout=5) as reply:
+            text = reply.read().decode()
+        return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+                   if sample.name == f"{name}_total")
 
     def busy_stage(self, index_in_chain: int) -> int:
         """The stage at this position of the chain that holds the most sessions now."""
