@@ -196,9 +196,10 @@ class StageConfig:
     (1, 2, 4 ... 128 sessions) and padded key length (stage_server/cuda_graphs.py); prefill and larger passes run
     eager, and so does a stage not on CUDA or whose capture failed (logged). Not with --compile, --quantize or --tp."""
     attention_kernel: bool = True
-    """On the CPU, decode steps attend by the paged attention kernel, which reads K/V where they lie in the pool
-    (built with this host's C++ compiler on first use and cached, stage_server/paged_attention.py); off, or where
-    it cannot be built, they are gathered into a padded buffer for SDPA."""
+    """Attention reads K/V where they lie in the pool (stage_server/paged_attention.py): on the CPU decode steps
+    by stagemesh's C++ kernel (built with this host's C++ compiler on first use and cached), on CUDA every pass
+    by a Triton kernel; off, or where the kernel cannot be had (logged once), K/V are gathered into a padded
+    buffer for SDPA."""
 
     packed_weights: bool = True
     """On the CPU in float32, every Linear weight is held in panels of 16 output columns and multiplied by

@@ -17,7 +17,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stage_server.pass_plan import AttentionGroup, DecodeAttention, PassPlan, StepSlice, int_tensor, plan_pass
+from stage_server.pass_plan import (
+    AttentionGroup,
+    DecodeAttention,
+    PassPlan,
+    RaggedAttention,
+    StepSlice,
+    int_tensor,
+    plan_pass,
+)
 from stagemesh.checkpoint import ModelArgs
 
 
@@ -81,6 +89,9 @@ class Attention(nn.Module):
         k_pool, v_pool = plan.pool.k[self.slot], plan.pool.v[self.slot]  # [slots, kvH, D]
         k_pool.index_copy_(0, plan.slots, qk[:, H:])
         v_pool.index_copy_(0, plan.slots, qkv[:, (H + kvH) * D :].view(T, kvH, D))
+        if plan.ragged is not None:  # every row over its session's keys where they lie (triton_attention.py)
+            o = plan.ragged_attention(q, k_pool, v_pool, plan.ragged, plan.pool.block_size, self.window or 0, D**-0.5)
+            return self.o_proj(o.reshape(T, H * D))
         if plan.in_order:
             return self.o_proj(self._attend(q, plan.groups[0], k_pool, v_pool, plan).reshape(T, H * D))
         out = torch.empty(T, H, D, dtype=x.dtype, device=x.device)
@@ -189,6 +200,9 @@ class StageModel(nn.Module):
         self.decode_attention: DecodeAttention | None = None
         # On the CPU in float32, a decode pass's layers in one call (stage_server/decode_layers.py), the embedding
         # and head with them where it can (the output, and whether it is the logits); None: op by op.
+        # On CUDA, the kernel that attends every row of any pass in place (stage_server/triton_attention.py); None:
+        # the paths above.
+        self.ragged_attention: RaggedAttention | None = None
         self.decode_layers: Callable[[torch.Tensor, PassPlan], tuple[torch.Tensor, bool]] | None = None
         self.tp_group = None  # rank 0 of a tensor-parallel stage: its TPGroup (stage_server/tensor_parallel.py)
 
@@ -231,8 +245,9 @@ class StageModel(nn.Module):
                 return out
         rope = self.rope(max(st.start + st.length for st in steps), self.dtype)
         # Rotary rows, slots, gather indices and masks: made once per pass, used by every layer.
-        plan = plan_pass(steps, steps[0].cache.pool, rope, self.device, self.decode_attention)
-        decode_only = plan.in_order and len(steps) == inputs.shape[0] and plan.groups[0].table is not None  # kernel's
+        plan = plan_pass(steps, steps[0].cache.pool, rope, self.device, self.decode_attention, self.ragged_attention)
+        decode_only = (plan.in_order and len(steps) == inputs.shape[0] and plan.ragged is None
+                       and plan.groups[0].table is not None)  # the CPU kernel's
         if decode_only and self.decode_layers is not None:  # embedding and head too, where it can
             x, is_logits = self.decode_layers(inputs, plan)
         else:

@@ -34,10 +34,14 @@ MAX_DECODE_PADDING = 1.25
 MAX_DECODE_GROUPS)."""
 
 
+INT_TYPES = {"q": torch.int64, "i": torch.int32, "B": torch.bool}
+
+
 def int_tensor(values: Iterable[int], device: torch.device, dtype: str = "q") -> torch.Tensor:
-    """A 1-D int64 tensor of values (dtype "B": bool) on device. torch.tensor of a Python list infers its type
-    element by element (~0.1 us each: 84 us for a 700-int table); through an array it is one copy (~11 us)."""
-    packed, torch_dtype = array(dtype, values), torch.int64 if dtype == "q" else torch.bool
+    """A 1-D int64 tensor of values (dtype "i": int32, "B": bool) on device. torch.tensor of a Python list infers
+    its type element by element (~0.1 us each: 84 us for a 700-int table); through an array it is one copy
+    (~11 us)."""
+    packed, torch_dtype = array(dtype, values), INT_TYPES[dtype]
     if not packed:
         return torch.empty(0, dtype=torch_dtype, device=device)
     t = torch.frombuffer(packed, dtype=torch_dtype)  # keeps packed alive
@@ -93,6 +97,54 @@ class AttentionGroup:
 
 
 @dataclass
+class PagedBatch:
+    """A pass's sessions as the ragged paged attention kernel reads them (triton_attention.py), built once per
+    pass and used by every layer.
+
+    tables [B, nb] int32: each session's block table (padding: the null block, never read); seq_row0 [B]: the
+    row of the pass where its queries begin; seq_qlen [B]: how many (1 for a decode step); seq_start [B]: the
+    position of its first query (its cache length before the pass). Tiles: up to block_q consecutive queries
+    of one session each (tile_seq [n], tile_q0 [n]).
+    """
+
+    tables: torch.Tensor
+    seq_row0: torch.Tensor
+    seq_qlen: torch.Tensor
+    seq_start: torch.Tensor
+    tile_seq: torch.Tensor
+    tile_q0: torch.Tensor
+    block_q: int
+    max_keys: int  # the longest session's keys: sizes the key splits
+
+
+RaggedAttention = Callable[..., torch.Tensor]
+"""The ragged paged attention kernel (triton_attention.paged_attention): (q [T, H, D], k [slots, kvH, D], v,
+PagedBatch, block_size, window (0: none), scale) -> [T, H, D], each row over its session's keys up to its
+position."""
+
+
+def paged_batch(steps: list[StepSlice], pool: KVPool, device: torch.device) -> PagedBatch:
+    """The pass's steps as the ragged kernel reads them: one int32 tensor on the device, viewed seven ways."""
+    block_q = 1 if all(st.length == 1 for st in steps) else 16
+    n, width = len(steps), pool.blocks_for(max(st.start + st.length for st in steps))
+    tile_seq, tile_q0 = [], []
+    for b, st in enumerate(steps):
+        for q0 in range(0, st.length, block_q):
+            tile_seq.append(b)
+            tile_q0.append(q0)
+    flat = [*(st.offset for st in steps), *(st.length for st in steps), *(st.start for st in steps),
+            *tile_seq, *tile_q0]
+    for st in steps:
+        flat.extend(st.cache.block_table(width))
+    ints = int_tensor(flat, device, "i")
+    tiles = len(tile_seq)
+    row0, qlen, start = ints[:3 * n].view(3, n).unbind()
+    seq, q0 = ints[3 * n: 3 * n + 2 * tiles].view(2, tiles).unbind()
+    return PagedBatch(ints[3 * n + 2 * tiles:].view(n, width), row0, qlen, start, seq, q0, block_q,
+                      width * pool.block_size)
+
+
+@dataclass
 class PassPlan:
     cos: torch.Tensor  # [T, 1, D]
     sin: torch.Tensor  # [T, 1, D], signed (see model.rope_tables)
@@ -101,11 +153,16 @@ class PassPlan:
     pool: KVPool
     in_order: bool  # one group, no padding, rows 0..T-1: its output is the pass's as is
     decode_attention: DecodeAttention | None  # for the groups with a table
+    ragged: PagedBatch | None = None  # every row attended in place by the ragged kernel (then groups is empty)
+    ragged_attention: RaggedAttention | None = None
 
 
 def plan_pass(steps: list[StepSlice], pool: KVPool, rope: tuple[torch.Tensor, torch.Tensor],
-              device: torch.device, decode_attention: DecodeAttention | None = None) -> PassPlan:
+              device: torch.device, decode_attention: DecodeAttention | None = None,
+              ragged_attention: RaggedAttention | None = None) -> PassPlan:
     cos, sin = rope
+    if ragged_attention is not None:
+        return _ragged_plan(steps, pool, cos, sin, device, ragged_attention)
     if decode_attention is not None and all(st.length == 1 for st in steps):
         return _paged_decode_plan(steps, pool, cos, sin, device, decode_attention)
     positions, slots = [], []
@@ -126,6 +183,18 @@ def plan_pass(steps: list[StepSlice], pool: KVPool, rope: tuple[torch.Tensor, to
         pool.scratch(max(gathered))  # grown once here, before the layers use it
     return PassPlan(cos[pos, None], sin[pos, None], int_tensor(slots, device), groups, pool, in_order,
                     decode_attention)
+
+
+def _ragged_plan(steps: list[StepSlice], pool: KVPool, cos: torch.Tensor, sin: torch.Tensor, device: torch.device,
+                 ragged_attention: RaggedAttention) -> PassPlan:
+    """plan_pass where the ragged kernel attends every row in place: positions, slots and the PagedBatch."""
+    positions, slots = [], []
+    for st in sorted(steps, key=lambda st: st.offset):
+        positions.extend(range(st.start, st.start + st.length))
+        slots.extend(pool.slots(st.cache, st.start, st.start + st.length))
+    pos = int_tensor(positions, device)
+    return PassPlan(cos[pos, None], sin[pos, None], int_tensor(slots, device), [], pool, True, None,
+                    paged_batch(steps, pool, device), ragged_attention)
 
 
 def _paged_decode_plan(steps: list[StepSlice], pool: KVPool, cos: torch.Tensor, sin: torch.Tensor,

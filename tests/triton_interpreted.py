@@ -1,0 +1,166 @@
+"""The GPU's attention kernel (stage_server/triton_attention.py) on CPU tensors, through Triton's interpreter.
+
+Not collected by the suite on its own (its name is not test_*.py): tests/test_triton_attention.py runs it in a
+process whose environment has TRITON_INTERPRET=1 before triton is imported, which the interpreter needs.
+Checked here: the kernel against attention computed in float64 from the pool, for decode steps, prefill chunks
+and passes mixing them, sessions of very different lengths, block boundaries, sliding windows, GQA, key splits,
+a head size that is not a power of two, float32 and float16 (the interpreter cannot compute in bfloat16: the
+GPU check does); and a stage's model attending through it against transformers within 1e-4 in float32.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from stage_server.kv_pool import KVPool
+from stage_server.loader import load_stage
+from stage_server.model import StepSlice
+from stage_server.pass_plan import paged_batch
+from stage_server.triton_attention import decode_attention, paged_attention
+from tests.conftest import decode_passes_match_transformers
+from tests.test_exactness import prompt
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run through tests/test_triton_attention.py"
+
+
+def reference(q, k_pool, v_pool, tables, q_lens, starts, page, window, scale) -> torch.Tensor:
+    """Each query row over its session's keys, gathered from the pool and computed in float64."""
+    T, H, D = q.shape
+    group = H // k_pool.shape[1]
+    out, row = torch.zeros(T, H, D, dtype=torch.float64), 0
+    for b, (n, start) in enumerate(zip(q_lens, starts, strict=True)):
+        for i in range(n):
+            p = start + i
+            keys = torch.arange(max(0, p + 1 - window) if window else 0, p + 1)
+            slots = tables[b][keys // page].long() * page + keys % page
+            k, v = k_pool[slots].double(), v_pool[slots].double()  # [L, kvH, D]
+            for h in range(H):
+                scores = k[:, h // group] @ q[row + i, h].double() * scale
+                out[row + i, h] = torch.softmax(scores, 0) @ v[:, h // group]
+        row += n
+    return out
+
+
+def random_pass(q_lens, starts, *, heads=8, kv_heads=4, head_dim=32, page=16, blocks=64, dtype=torch.float32,
+                seed=0):
+    """A pool of random K/V, each session's blocks scattered over it, and the pass's queries."""
+    g = torch.Generator().manual_seed(seed)
+    k_pool = torch.randn(blocks * page, kv_heads, head_dim, generator=g).to(dtype)
+    v_pool = torch.randn(blocks * page, kv_heads, head_dim, generator=g).to(dtype)
+    ends = [s + n for s, n in zip(starts, q_lens, strict=True)]
+    width = max(-(-e // page) for e in ends)
+    free = (torch.randperm(blocks - 1, generator=g) + 1).tolist()
+    tables = torch.zeros(len(q_lens), width, dtype=torch.int32)
+    for b, end in enumerate(ends):
+        for j in range(-(-end // page)):
+            tables[b, j] = free.pop()
+    q = torch.randn(sum(q_lens), heads, head_dim, generator=g).to(dtype)
+    return q, k_pool, v_pool, tables
+
+
+class Steps:
+    """StepSlices over a real pool for q_lens/starts (so pass_plan.paged_batch builds the batch)."""
+
+    def __init__(self, q_lens, starts, page=16):
+        self.pool = KVPool(1 << 22, 1, 1, 16, torch.float32, block_size=page, huge=False)
+        self.steps, offset = [], 0
+        for n, start in zip(q_lens, starts, strict=True):
+            cache = self.pool.allocate(4096)
+            self.pool.grow(cache, start + n)
+            cache.length = start
+            self.steps.append(StepSlice(cache, offset, start, n))
+            offset += n
+
+
+CASES = {
+    "decode steps of different lengths": ([1, 1, 1, 1], [5, 40, 17, 130]),
+    "one prefill chunk from position 0": ([37], [0]),
+    "a chunk after cached positions": ([20], [33]),
+    "mixed: chunks and decode steps": ([7, 1, 20, 1], [0, 33, 16, 95]),
+    "on block boundaries": ([16, 1, 1], [16, 15, 31]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("window", [0, 8])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_the_kernel_equals_attention_over_the_gathered_keys(case, window, splits):
+    q_lens, starts = CASES[case]
+    steps = Steps(q_lens, starts)
+    batch = paged_batch(steps.steps, steps.pool, torch.device("cpu"))
+    q, k_pool, v_pool, _ = random_pass(q_lens, starts)
+    # The pool's own block tables, with random K/V in place of the tiny pool's.
+    k_pool = torch.randn(steps.pool.num_blocks * 16, 4, 32)
+    v_pool = torch.randn_like(k_pool)
+    out = paged_attention(q, k_pool, v_pool, batch, 16, window, 32**-0.5, splits=splits)
+    want = reference(q, k_pool, v_pool, batch.tables, q_lens, starts, 16, window, 32**-0.5)
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 1, 24), (8, 8, 64), (6, 2, 48)])
+def test_head_shapes_the_tiny_model_does_not_have(heads, kv_heads, head_dim):
+    q_lens, starts = [1, 9, 1], [70, 3, 0]
+    steps = Steps(q_lens, starts)
+    batch = paged_batch(steps.steps, steps.pool, torch.device("cpu"))
+    q, _, _, _ = random_pass(q_lens, starts, heads=heads, kv_heads=kv_heads, head_dim=head_dim)
+    k_pool = torch.randn(steps.pool.num_blocks * 16, kv_heads, head_dim)
+    v_pool = torch.randn_like(k_pool)
+    out = paged_attention(q, k_pool, v_pool, batch, 16, 0, head_dim**-0.5, splits=2)
+    want = reference(q, k_pool, v_pool, batch.tables, q_lens, starts, 16, 0, head_dim**-0.5)
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=0)
+
+
+def test_float16_within_its_precision():
+    q_lens, starts = [3, 1], [30, 70]
+    q, k_pool, v_pool, tables = random_pass(q_lens, starts, dtype=torch.float16)
+    steps = Steps(q_lens, starts)
+    batch = paged_batch(steps.steps, steps.pool, torch.device("cpu"))
+    batch.tables = tables
+    out = paged_attention(q, k_pool, v_pool, batch, 16, 0, 32**-0.5)
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(out.double(), reference(q, k_pool, v_pool, tables, q_lens, starts, 16, 0, 32**-0.5),
+                               atol=2e-3, rtol=0)
+
+
+def test_the_decode_signature_made_on_the_device_equals_the_ragged_batch():
+    """decode_attention (what a CUDA graph captures) builds its batch from the table and ends alone."""
+    starts = [5, 40, 17, 130]
+    q, k_pool, v_pool, tables = random_pass([1] * 4, starts)
+    out = decode_attention(q, k_pool, v_pool, tables.long(), torch.tensor(starts) + 1, 16, 0, 32**-0.5)
+    torch.testing.assert_close(out.double(), reference(q, k_pool, v_pool, tables, [1] * 4, starts, 16, 0, 32**-0.5),
+                               atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("layers", [(0, None), (0, 3), (3, None)])
+def test_a_stage_attending_through_the_kernel_equals_transformers(tiny_models, hf_models, layers):
+    """Prompts of different lengths prefilled in one pass, then decode passes, across block boundaries: every
+    logit within 1e-4 of transformers (a first or middle stage: its hidden states against the model's)."""
+    start, end = layers
+    model = load_stage(tiny_models["llama"], start, end, huge=False)
+    model.ragged_attention = paged_attention
+    a = model.args
+    pool = KVPool(8 << 20, len(model.layers), a.num_kv_heads, a.head_dim, model.dtype, block_size=16, huge=False)
+    if model.is_last and model.is_first:
+        seqs = [prompt(n, seed=60 + n) for n in (3, 17, 40)]
+        decode_passes_match_transformers(model, hf_models["llama"], pool, seqs, [[0, 1, 2], [2, 0], [1, 2, 0]])
+        return
+    ids = [prompt(n, seed=70 + n) for n in (5, 33)]
+    caches = [pool.allocate(64) for _ in ids]
+    offset, steps = 0, []
+    for cache, seq in zip(caches, ids, strict=True):
+        pool.grow(cache, len(seq))
+        steps.append(StepSlice(cache, offset, 0, len(seq)))
+        offset += len(seq)
+    with torch.inference_mode():
+        runs = [hf_models["llama"](torch.tensor([seq]), output_hidden_states=True) for seq in ids]
+        inputs = (torch.tensor([t for seq in ids for t in seq]) if model.is_first
+                  else torch.cat([run.hidden_states[start][0] for run in runs]))
+        out = model(inputs, steps)
+    if model.is_last:  # the logits of each prompt's last position
+        torch.testing.assert_close(out, torch.stack([run.logits[0, -1] for run in runs]), atol=1e-4, rtol=0)
+    else:
+        for run, rows in zip(runs, out.split([len(s) for s in ids]), strict=True):
+            torch.testing.assert_close(rows, run.hidden_states[end][0], atol=1e-4, rtol=0)
