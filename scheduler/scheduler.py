@@ -8,12 +8,21 @@ import contextlib
 import logging
 import math
 import uuid
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import get_args
 
 from scheduler import placement, tp_advice
-from stagemesh.checkpoint import QUANTIZE, ModelArgs, ModelFootprint, Quantization, ServingDtype, read_config
+from stagemesh.checkpoint import (
+    QUANTIZE,
+    DtypeChoice,
+    ModelArgs,
+    ModelFootprint,
+    ServingDtype,
+    read_config,
+    serving_dtype,
+)
 from stagemesh.config_flags import NOT_A_FLAG, PORT_RULE, refused
 from stagemesh.discovery.chain_table import PublishedChain, PublishedStage, decode_chains, encode_chains
 from stagemesh.discovery.registry import (
@@ -37,10 +46,12 @@ class SchedulerConfig:
     """Local checkpoint directory: the scheduler reads its config and tensor sizes (not its weights)."""
     model_name: str = ""
     """The model's name in the registry (default: the directory's name); stages and routers use the same."""
-    dtype: ServingDtype = "float32"
-    """The dtype the stages serve in, for sizing."""
-    quantize: Quantization = "none"
-    """The stages' --quantize, for sizing: int8 Linear weights let each host hold more layers."""
+    dtype: DtypeChoice = "auto"
+    """The dtype the stages serve in, for sizing (auto: what most live stages announce, before any announce the
+    checkpoint's own)."""
+    quantize: str = "auto"
+    """The stages' --quantize, for sizing: int8 Linear weights let each host hold more layers (auto: what most
+    live stages announce; none before any do)."""
     lock_ttl_s: float = field(default=3.0, metadata={"flag": "--lock-ttl"})
     """Seconds before a standby scheduler takes over from a leader that stopped renewing its lock."""
     placement: placement.PlacementConfig = field(default_factory=placement.PlacementConfig)
@@ -64,10 +75,10 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         self.model_name = self.model_name or Path(self.model).name
-        if self.dtype not in get_args(ServingDtype):
-            raise ValueError(f"--dtype {self.dtype!r}: use one of {', '.join(get_args(ServingDtype))}")
-        if self.quantize not in QUANTIZE:
-            raise ValueError(f"--quantize {self.quantize!r}: use one of {', '.join(QUANTIZE)}")
+        if self.dtype not in get_args(DtypeChoice):
+            raise ValueError(f"--dtype {self.dtype!r}: use one of {', '.join(get_args(DtypeChoice))}")
+        if self.quantize not in ("auto", *QUANTIZE):
+            raise ValueError(f"--quantize {self.quantize!r}: use one of auto, {', '.join(QUANTIZE)}")
         if not self.lock_ttl_s > 0:
             raise refused(self, "lock_ttl_s", "must be > 0 seconds (a standby takes over after it)")
         if not self.settle_s >= 0:
@@ -112,8 +123,11 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, registry: Registry):
         self.config = config
         self.registry = registry
-        self.footprint = ModelFootprint.from_model_dir(config.model, config.dtype, config.quantize)
-        self.model_args = ModelArgs.from_config(read_config(config.model))  # heads: which --tp sizes fit
+        model_config = read_config(config.model)
+        self.model_args = ModelArgs.from_config(model_config)  # heads: which --tp sizes fit
+        self._stored_dtype = serving_dtype("auto", model_config, "cpu")  # the checkpoint's own
+        self._footprints: dict[tuple[str, str], ModelFootprint] = {}
+        self.footprint = self.footprint_for([])
         self.plan: placement.Plan | None = None
         self.published: list[PublishedChain] | None = None
         self.leading = False
@@ -125,6 +139,22 @@ class Scheduler:
     @property
     def name(self) -> str:
         return self.config.model_name
+
+    def sizing(self, services: list[ServiceStatus]) -> tuple[ServingDtype, str]:
+        """(dtype, quantize) to size weights at: the flags, or for auto what most live stages announce."""
+        announced = Counter((s.record.meta.get("dtype", ""), s.record.meta.get("quantize", "")) for s in services
+                            if s.passing and s.record.meta.get("dtype") in get_args(ServingDtype)
+                            and s.record.meta.get("quantize", "none") in QUANTIZE)
+        dtype, quantize = announced.most_common(1)[0][0] if announced else (self._stored_dtype, "none")
+        return (dtype if self.config.dtype == "auto" else self.config.dtype,
+                (quantize or "none") if self.config.quantize == "auto" else self.config.quantize)
+
+    def footprint_for(self, services: list[ServiceStatus]) -> ModelFootprint:
+        """The model's sizes as the stages hold it (sizing), read from the checkpoint once per sizing."""
+        key = self.sizing(services)
+        if key not in self._footprints:
+            self._footprints[key] = ModelFootprint.from_model_dir(self.config.model, *key)
+        return self._footprints[key]
 
     async def run(self) -> None:
         """Campaigns for the leader lock, leads while it holds it, and campaigns again if it loses it."""
@@ -201,6 +231,7 @@ class Scheduler:
 
     async def reconcile(self, services: list[ServiceStatus]) -> None:
         """Plans for the live stage servers, tells each its range, and publishes the chains that serve."""
+        self.footprint = self.footprint_for(services)
         live, hosts = {}, []
         for s in services:
             if not s.passing:

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import get_args
 
 from stagemesh import grpc_server
-from stagemesh.checkpoint import QUANTIZE, Quantization, ServingDtype
+from stagemesh.checkpoint import QUANTIZE, DtypeChoice, Quantization
 from stagemesh.config_flags import PORT_RULE, refused
 from stagemesh.tracing import TracingConfig
 
@@ -124,8 +124,9 @@ class StageConfig:
     stage's id (default: --host and the bound port; PORT defaults to the bound port)."""
     device: str = "auto"
     """auto, cpu or cuda (cuda:N for one of several)."""
-    dtype: ServingDtype = "float32"
-    """The dtype the weights and the KV cache are held in."""
+    dtype: DtypeChoice = "auto"
+    """The dtype the weights and the KV cache are held in: auto takes the checkpoint's (config.json's
+    torch_dtype), a float32 checkpoint in bfloat16 on CUDA (stagemesh/checkpoint.py, serving_dtype)."""
     kv_cache_gb: float | None = None
     """KV cache pool size (default: a quarter of the memory available at start), allocated once, in blocks."""
     output_log_gb: float = 0.25
@@ -229,8 +230,8 @@ class StageConfig:
     attention and KV heads. To routers and other stages the stage is still one stage."""
 
     def __post_init__(self) -> None:
-        if self.dtype not in get_args(ServingDtype):
-            raise ValueError(f"--dtype {self.dtype!r}: use one of {', '.join(get_args(ServingDtype))}")
+        if self.dtype not in get_args(DtypeChoice):
+            raise ValueError(f"--dtype {self.dtype!r}: use one of {', '.join(get_args(DtypeChoice))}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"--device {self.device!r}: use auto, cpu or cuda")
         if self.quantize not in QUANTIZE:

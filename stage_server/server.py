@@ -34,6 +34,7 @@ from stagemesh.checkpoint import (
     ModelArgs,
     model_fingerprint,
     read_config,
+    serving_dtype,
     serving_fingerprint,
 )
 from stagemesh.errors import StatusError, StatusInterceptor
@@ -186,8 +187,9 @@ class StageServer:
         model_config = read_config(config.model)
         self.num_layers = model_config["num_hidden_layers"]
         check_tp(ModelArgs.from_config(model_config), config.tp, self.device)
+        self.dtype = serving_dtype(config.dtype, model_config, self.device.type)  # --dtype, auto resolved
         # What this stage serves (checkpoint.serving_fingerprint): registered, and in Stage/Info.
-        self.fingerprint = serving_fingerprint(model_fingerprint(config.model), config.dtype, config.quantize)
+        self.fingerprint = serving_fingerprint(model_fingerprint(config.model), self.dtype, config.quantize)
         self.server = grpc_server.new_server(
             [StatusInterceptor(log, ERROR_CODES)],
             max_step_bytes(self.pass_tokens, model_config["hidden_size"]))
@@ -230,11 +232,11 @@ class StageServer:
         if self.config.threads:
             torch.set_num_threads(self.config.threads)
         t0 = time.perf_counter()
-        dtype = TORCH_DTYPES[self.config.dtype]
+        dtype = TORCH_DTYPES[self.dtype]
         tp = None
         if self.config.tp > 1:  # the other ranks load their shards meanwhile
             tp = TPGroup({"model": self.config.model, "layer_start": layer_start, "layer_end": layer_end,
-                          "dtype": self.config.dtype, "device": str(self.device), "threads": self.config.threads,
+                          "dtype": self.dtype, "device": str(self.device), "threads": self.config.threads,
                           "size": self.config.tp, "attention_kernel": self.config.attention_kernel}, self.device)
         model = load_stage(self.config.model, layer_start, layer_end, dtype=dtype, device=self.device,
                            int8_linears=loads_int8_weights(self.config.quantize, self.device.type, dtype),

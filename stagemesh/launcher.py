@@ -17,7 +17,7 @@ import grpc
 
 from router.generation import GenerationConfig
 from stage_server.config import BatcherConfig
-from stagemesh.checkpoint import ModelFootprint, Quantization, ServingDtype, read_config
+from stagemesh.checkpoint import DtypeChoice, ModelFootprint, Quantization, read_config, serving_dtype
 from stagemesh.config_flags import PORT_RULE, refused
 from stagemesh.processes import READY, LocalMesh, Process
 from stagemesh.supervisor import RestartPolicy, Supervisor
@@ -42,8 +42,9 @@ class UpConfig:
     """Chains."""
     port: int = 50051
     """The router's port (0 picks a free port)."""
-    dtype: ServingDtype = "float32"
-    """The stages' dtype (and the scheduler's, for sizing)."""
+    dtype: DtypeChoice = "auto"
+    """The stages' dtype (auto: the checkpoint's, a float32 checkpoint in bfloat16 on CUDA); the scheduler sizes
+    weights as the stages announce them."""
     quantize: Quantization = "none"
     """int8 Linear weights in every stage (and the scheduler sizes them so)."""
     registry: str = "local"
@@ -127,6 +128,13 @@ def stage_env(threads: int | None, shared_cores: bool = True) -> dict[str, str]:
     return env
 
 
+def local_device_type() -> str:
+    """"cuda" where this machine has an NVIDIA GPU (its driver's device list), else "cpu": what a stage's
+    --device auto will choose, told without importing torch."""
+    return "cuda" if Path("/proc/driver/nvidia/gpus").is_dir() and any(Path("/proc/driver/nvidia/gpus").iterdir()) \
+        else "cpu"
+
+
 def stage_budget_gb(model: str, stages: int, dtype: str, headroom: float = 0.2, quantize: str = "none") -> float:
     """A memory budget under which the scheduler needs exactly `stages` hosts for one chain."""
     total = ModelFootprint.from_model_dir(model, dtype, quantize).total_bytes
@@ -135,7 +143,7 @@ def stage_budget_gb(model: str, stages: int, dtype: str, headroom: float = 0.2, 
 
 
 def start_local_mesh(model: str, *, stages: int, replicas: int = 1, router_port: int = 50051,
-                     dtype: str = "float32", quantize: str = "none", threads: int | None = None,
+                     dtype: str = "auto", quantize: str = "none", threads: int | None = None,
                      prefill_chunk: int = GenerationConfig.prefill_chunk,
                      extra_stage_args: list[str] | None = None, extra_router_args: list[str] | None = None,
                      registry: str | None = None, tls: str | None = None,
@@ -145,7 +153,9 @@ def start_local_mesh(model: str, *, stages: int, replicas: int = 1, router_port:
     for `stages` stages per chain, and the router follows the chains it publishes. tls: every process's
     --tls directory. ready_timeout_s: how long each process may take to be ready (loading its weights, and
     with --compile compiling in its warm-up: minutes on a large slice with inductor's cache cold)."""
-    num_layers = read_config(model)["num_hidden_layers"]  # as the stages read it (transformers' config: ~2 s)
+    model_config = read_config(model)
+    num_layers = model_config["num_hidden_layers"]  # as the stages read it (transformers' config: ~2 s)
+    dtype = serving_dtype(dtype, model_config, local_device_type())  # as the stages will resolve auto
     mesh = LocalMesh(model, log_dir or Path(tempfile.mkdtemp(prefix="stagemesh-")))
     cpus = os.cpu_count() or 1
     lone: list[str] = []
@@ -162,8 +172,8 @@ def start_local_mesh(model: str, *, stages: int, replicas: int = 1, router_port:
     secure = ["--tls", tls] if tls else []
     stage_args = ["stage", "--model", model, "--dtype", dtype, "--threads", str(threads), "--quantize", quantize,
                   *lone, *secure, *(extra_stage_args or [])]
-    # The scheduler sizes weights as the stages hold them.
-    sizing = ["--dtype", dtype, "--quantize", quantize, *secure]
+    # The scheduler sizes weights as the stages announce they hold them.
+    sizing = secure
     router_args = ["router", "--model", model, "--port", str(router_port), "--prefill-chunk", str(prefill_chunk),
                    *secure, *(extra_router_args or [])]
     try:

@@ -140,7 +140,7 @@ def test_flag_defaults_are_the_dataclass_defaults(command):
 
 BEFORE = {
     "stage": {"--model": None, "--layers": None, "--registry": None, "--model-name": "", "--memory-gb": None,
-              "--speed": 1.0, "--host": "127.0.0.1", "--port": 0, "--device": "auto", "--dtype": "float32",
+              "--speed": 1.0, "--host": "127.0.0.1", "--port": 0, "--device": "auto", "--dtype": "auto",
               "--kv-cache-gb": None, "--session-timeout": 300.0, "--batch-window-ms": 0.0,
               "--max-batch-tokens": None, "--threads": None, "--preload": False, "--quantize": "none"},
     "router": {"--model": None, "--chain": None, "--registry": None, "--model-name": "", "--slots-per-chain": 32,
@@ -148,14 +148,16 @@ BEFORE = {
                "--prefill-chunk": 256},
     "registry": {"--host": "127.0.0.1", "--port": 50050},
     "scheduler": {"--model": None, "--registry": "local", "--host": "127.0.0.1", "--registry-port": 50050,
-                  "--model-name": "", "--dtype": "float32", "--quantize": "none", "--lock-ttl": 3.0,
+                  "--model-name": "", "--dtype": "auto", "--quantize": "auto", "--lock-ttl": 3.0,
                   "--kv-headroom": 0.2},
     "plan": {"--model": None, "--registry": "local://127.0.0.1:50050", "--model-name": ""},
-    "up": {"--model": None, "--stages": 2, "--replicas": 1, "--port": 50051, "--dtype": "float32",
+    "up": {"--model": None, "--stages": 2, "--replicas": 1, "--port": 50051, "--dtype": "auto",
            "--quantize": "none", "--registry": "local"},
 }
 """The flags (and defaults) the hand-written CLI had: README, scripts and tests use them. Changed on purpose
-since: --max-batch-tokens 2048 -> by device (256 on a CPU, 2048 on CUDA; stage_server/config.py PASS_TOKENS)."""
+since: --max-batch-tokens 2048 -> by device (256 on a CPU, 2048 on CUDA; stage_server/config.py PASS_TOKENS);
+--dtype float32 -> auto everywhere (the checkpoint's, stagemesh/checkpoint.py serving_dtype), the scheduler's
+--quantize none -> auto (what the stages announce)."""
 
 
 @pytest.mark.parametrize("command", sorted(BEFORE))
