@@ -10,9 +10,9 @@ Variants (run alternately, medians): eager (StageModel.forward), stage (StageMod
 CompiledDecode: c_keept plus the block tables and positions made per pass), c (torch.compile, default guards), c_skipmod
 (guard_filter_fn=skip_guard_on_all_nn_modules_unsafe), c_keept (keep_tensor_guards_unsafe), a "cpp" in the name
 adds cpp_wrapper, a "static" static shapes (a graph per batch size and per power-of-two bucket of key blocks,
-NULL_BLOCK padding) instead of dynamic batch size and key length; graphs is --cuda-graphs (stage_server/cuda_graphs.py:
-the eager pass replayed from a CUDA graph per padded bucket, through StageModel.forward; on the CPU the same padded
-buffers without a graph). On CUDA every pass is timed to its end (synchronized).
+NULL_BLOCK padding) instead of dynamic batch size and key length; graphs is a CUDA stage's default
+(stage_server/cuda_graphs.py: the pass replayed from a CUDA graph per padded bucket, through StageModel.forward, with
+the Triton attention kernel; on CUDA only). On CUDA every pass is timed to its end (synchronized).
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.compiler as tc  # noqa: E402
 
+from stage_server import paged_attention  # noqa: E402
 from stage_server.compiled import CompiledDecode  # noqa: E402
-from stage_server.cuda_graphs import GraphedDecode  # noqa: E402
+from stage_server.cuda_graphs import GraphedPasses  # noqa: E402
 from stage_server.decode_graph import decode_pass_fn, key_blocks  # noqa: E402
 from stage_server.kv_pool import KVPool  # noqa: E402
 from stage_server.loader import load_stage  # noqa: E402
@@ -77,9 +78,10 @@ def run_size(model: StageModel, B: int, args: argparse.Namespace) -> None:
     graphed = None
     if "graphs" in args.variants.split(","):
         t = time.perf_counter()
-        graphed = GraphedDecode(model, pool, max_batch=B, capture=cuda)
-        graphed.capture_all()
-        print(f"graphs: {graphed.graphs} captured in {time.perf_counter() - t:.2f}s", flush=True)
+        paged_attention.attach(model)  # the graphs' attention: the Triton kernel (CUDA)
+        graphed = GraphedPasses(model, pool, max_tokens=B, max_len=4096, capture=cuda)
+        captured = graphed.capture_all()
+        print(f"graphs: {captured.graphs} captured in {time.perf_counter() - t:.2f}s", flush=True)
     by_name = {"eager": None, "stage": stage, "graphs": graphed}
     variants = {v: v if v in by_name else compiled_variant(fn, v) for v in args.variants.split(",")}
     caches = [pool.allocate(args.passes * len(variants) + 400) for _ in range(B)]
@@ -103,7 +105,8 @@ def run_size(model: StageModel, B: int, args: argparse.Namespace) -> None:
                 steps.append(StepSlice(c, i, c.length, 1))
             x = inputs(B)
             if isinstance(f, str):  # eager, the stage's compiled path or its CUDA graphs
-                model.decode_graph = by_name[f]
+                model.decode_graph = by_name[f] if f == "stage" else None
+                model.pass_graphs = by_name[f] if f == "graphs" else None
                 return model(x, steps)
             pos = torch.tensor([st.start for st in steps], device=dev)
             nb = key_blocks(steps)

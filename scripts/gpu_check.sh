@@ -5,14 +5,14 @@
 #
 # 1. makes a ~1.1B random Llama in bfloat16 (TinyLlama's shape: hidden 2048, 22 layers, 32 heads, 4 KV heads,
 #    intermediate 5632, vocab 32000; stagemesh/tiny_model.py, no model hub) unless DIR holds one;
-# 2. exactness on CUDA: a 2-stage chain in bfloat16 against transformers on CUDA, eager and with --cuda-graphs
+# 2. exactness on CUDA: a 2-stage chain in bfloat16 against transformers on CUDA, eager (--enforce-eager) and with CUDA graphs
 #    (tests/test_device_exactness.py), and the tiny Llama's padded graph buckets in float32 against transformers
 #    within 1e-4 (tests/test_cuda_graphs.py);
 # 3. measures the HBM bandwidth (a device-to-device copy) and prints it next to the H200's 4.8 TB/s and the
 #    batch-1 decode limit it sets;
 # 4. the decode pass of the model's first 11 layers in process, 1, 32 and 64 sessions: eager against replayed
 #    CUDA graphs (scripts/bench_step_compile.py), the per-step cost of launching kernels one by one;
-# 5. runs scripts/bench.py on the GPU with --cuda-graphs: single-stream decode and 32/64 mixed streams, 1 and 2
+# 5. runs scripts/bench.py on the GPU (CUDA graphs, by default): single-stream decode and 32/64 mixed streams, 1 and 2
 #    stages, side by side with transformers.
 #
 # It fails loudly: the first failing step stops it with a message naming the step (--keep-going: every step
@@ -94,9 +94,9 @@ step "4. the decode pass of layers 0:11 in process, eager against CUDA graphs (1
 run "$PY" scripts/bench_step_compile.py --model "$MODEL" --device cuda --dtype bfloat16 --end 11 --sizes 1,32,64 \
   --passes 50 --variants eager,graphs
 
-step "5. bench.py on the GPU with --cuda-graphs: single stream, 32 and 64 mixed streams, 1 and 2 stages"
+step "5. bench.py on the GPU (CUDA graphs, by default): single stream, 32 and 64 mixed streams, 1 and 2 stages"
 run "$PY" scripts/bench.py --model "$MODEL" --dtype bfloat16 --device cuda --stages 1,2 --replicas 1 \
-  --levels 1,32,64 --repeats 1 --stage-arg=--cuda-graphs --out "$OUT/bench"
+  --levels 1,32,64 --repeats 1 --out "$OUT/bench"
 
 STEP="done"
 echo

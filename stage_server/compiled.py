@@ -15,8 +15,8 @@ compile keeps its own graphs (isolate_recompiles), so two stages in one process 
 
 Compilation that fails (in the warm-up or on a later shape) sends the stage back to eager for good, logged
 once; the pass that failed runs eager. --tp is refused with --compile (the ranks' all-reduces are not in
-the graph), and so is --quantize (config.py). CUDA graphs are --cuda-graphs (stage_server/cuda_graphs.py): the
-eager pass captured per padded bucket, refused beside --compile.
+the graph), and so is --quantize (config.py). A CUDA stage's own graphs (stage_server/cuda_graphs.py: every pass
+captured per padded bucket) are not captured beside --compile.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def uncompile_stage(model: StageModel, reason: BaseException) -> None:
 
 
 def is_compiled(model: StageModel) -> bool:
-    return isinstance(model.decode_graph, CompiledDecode)  # not --cuda-graphs' GraphedDecode
+    return isinstance(model.decode_graph, CompiledDecode)
 
 
 def compiled_graphs(model: StageModel) -> int:

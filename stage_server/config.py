@@ -192,10 +192,18 @@ class StageConfig:
     """torch.compile (inductor) the whole decode pass (all layers, KV writes, attention, LM head) as one graph;
     prefill stays eager. Compiled in the warm-up before SERVING (the time shows in the cold start); eager, logged
     once, if compilation fails (stage_server/compiled.py). Not with --quantize or --tp."""
-    cuda_graphs: bool = False
-    """On CUDA, decode passes replay CUDA graphs captured in the warm-up before SERVING, one per padded batch
-    (1, 2, 4 ... 128 sessions) and padded key length (stage_server/cuda_graphs.py); prefill and larger passes run
-    eager, and so does a stage not on CUDA or whose capture failed (logged). Not with --compile, --quantize or --tp."""
+    enforce_eager: bool = False
+    """On CUDA, run every pass eager: no CUDA graphs. By default a CUDA stage with the Triton attention kernel
+    captures graphs in its warm-up, before SERVING: decode passes by session count (1, 2, 4 ... 128) and other
+    passes by token count (16, 32 ... --max-batch-tokens), and replays them (stage_server/cuda_graphs.py); a pass
+    that fits no bucket runs eager, counted by reason."""
+    max_model_len: int | None = None
+    """The longest session, prompt and output together, this stage admits (default: the model's context,
+    max_position_embeddings): sizes the graphs' block tables and bounds what one session may hold of the pool."""
+    gpu_memory_utilization: float = 0.9
+    """On CUDA, without --kv-cache-gb: the share of the GPU's memory this stage may use in all. The KV pool takes
+    what is left of it after the weights, the activations of a full pass (measured by a profiling pass) and as
+    much again for the CUDA graphs' memory (stage_server/memory_plan.py)."""
     attention_kernel: bool = True
     """Attention reads K/V where they lie in the pool (stage_server/paged_attention.py): on the CPU decode steps
     by stagemesh's C++ kernel (built with this host's C++ compiler on first use and cached), on CUDA every pass
@@ -286,9 +294,10 @@ class StageConfig:
         if self.compile and self.quantize != "none":
             raise refused(self, "compile", "is not supported with --quantize yet (the compiled decode pass has no "
                                            "int8 kernels); leave one of them out")
-        if self.cuda_graphs and (self.compile or self.quantize != "none" or self.tp > 1):
-            raise refused(self, "cuda_graphs", "is not supported with --compile, --quantize or --tp yet (it captures "
-                                               "the eager decode pass of one process); leave those out")
+        if self.max_model_len is not None and not self.max_model_len >= 1:
+            raise refused(self, "max_model_len", "must be >= 1 position (leave it out for the model's context)")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise refused(self, "gpu_memory_utilization", "must be a share of the GPU's memory, in (0, 1]")
         if self.devices is not None and not self.devices >= 1:
             raise refused(self, "devices", "must be >= 1 (leave it out to count this machine's CUDA devices)")
         self.host_id = self.host_id or socket.gethostname()

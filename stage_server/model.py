@@ -193,8 +193,10 @@ class StageModel(nn.Module):
         self.rope_scale = rope_scale
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # rope_tables(), made on first use
         self.load_s = 0.0  # how long loading took (cold start), set by the stage server
-        # Decode passes' graph: --compile's (stage_server/compiled.py) or --cuda-graphs' (stage_server/cuda_graphs.py).
+        # Decode passes' graph: --compile's (stage_server/compiled.py).
         self.decode_graph = None
+        # On CUDA, every pass's CUDA graph by bucket (stage_server/cuda_graphs.py); None: eager.
+        self.pass_graphs = None
         # On the CPU, the kernel that attends decode steps over K/V in place (stage_server/paged_attention.py);
         # None: gathered for SDPA.
         self.decode_attention: DecodeAttention | None = None
@@ -237,6 +239,12 @@ class StageModel(nn.Module):
         Returns hidden states [T, hidden], or on the last stage the logits of each step's
         last position [len(steps), vocab] in float32. Advances each step's cache length.
         """
+        if self.pass_graphs is not None:
+            out = self.pass_graphs(inputs, steps)  # None: no graph for this pass: eager
+            if out is not None:
+                for st in steps:
+                    st.cache.length = st.start + st.length
+                return out
         if self.decode_graph is not None and len(steps) == inputs.shape[0]:  # decode steps only: compiled
             out = self.decode_graph(inputs, steps)  # None: no graph for this pass (or compilation failed): eager
             if out is not None:

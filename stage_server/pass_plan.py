@@ -114,7 +114,19 @@ class PagedBatch:
     tile_seq: torch.Tensor
     tile_q0: torch.Tensor
     block_q: int
-    max_keys: int  # the longest session's keys: sizes the key splits
+    max_keys: int  # the longest session's keys (at most): sizes the key splits
+    splits: int = 1  # programs that share one tile's keys (key_splits)
+
+
+def key_splits(tiles: int, kv_heads: int, max_keys: int, device: torch.device, block_n: int = 64) -> int:
+    """How many programs of the ragged kernel share one tile's keys: on CUDA enough for about two programs per
+    streaming multiprocessor, none holding fewer than 4 blocks of block_n keys (their partial results are merged
+    by log-sum-exp after); elsewhere 1."""
+    if device.type != "cuda":
+        return 1
+    programs = max(1, tiles * kv_heads)
+    want = -(-2 * torch.cuda.get_device_properties(device).multi_processor_count // programs)
+    return max(1, min(want, max_keys // (4 * block_n), 16))
 
 
 RaggedAttention = Callable[..., torch.Tensor]
@@ -141,7 +153,7 @@ def paged_batch(steps: list[StepSlice], pool: KVPool, device: torch.device) -> P
     row0, qlen, start = ints[:3 * n].view(3, n).unbind()
     seq, q0 = ints[3 * n: 3 * n + 2 * tiles].view(2, tiles).unbind()
     return PagedBatch(ints[3 * n + 2 * tiles:].view(n, width), row0, qlen, start, seq, q0, block_q,
-                      width * pool.block_size)
+                      width * pool.block_size, key_splits(tiles, pool.num_kv_heads, width * pool.block_size, device))
 
 
 @dataclass

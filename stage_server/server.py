@@ -20,9 +20,10 @@ from stage_server.batcher import StepBatcher
 from stage_server.compiled import compile_stage, compiled_graphs, is_compiled, warm_up_decode
 from stage_server.compute_thread import compute_executor, hold_to_one_thread
 from stage_server.config import StageConfig, max_step_bytes, split_host_port
-from stage_server.cuda_graphs import capture_decode_graphs
+from stage_server.cuda_graphs import capture_pass_graphs
 from stage_server.kv_pool import KVPool, PoolExhausted
 from stage_server.loader import TORCH_DTYPES, load_stage
+from stage_server.memory_plan import kv_pool_bytes
 from stage_server.model import StageModel, StepSlice
 from stage_server.output_log import LogBudget
 from stage_server.quantize import loads_int8_weights, quantize
@@ -52,13 +53,6 @@ def resolve_device(name: str) -> torch.device:
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("--device cuda was asked for but torch sees no CUDA device; use --device cpu")
     return torch.device(name)
-
-
-def default_kv_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free * 0.8)
-    return psutil.virtual_memory().available // 4
 
 
 class StageSlot(stage_pb2_grpc.StageServicer):
@@ -152,26 +146,30 @@ class WarmUp:
     """Its timed prefill pass scaled to max_batch_tokens tokens. Per token a short pass costs more than a full
     one (the weights are read once a pass), so the estimate errs long; 0 where the pool could not hold it."""
     graphs: str = ""
-    """What --cuda-graphs captured, for the cold-start log line ("" without the flag)."""
+    """What CUDA graphs were captured, for the cold-start log line ("" on a CPU)."""
 
 
-def warm_up(model: StageModel, pool: KVPool, max_batch_tokens: int, cuda_graphs: bool = False) -> WarmUp:
+def warm_up(model: StageModel, pool: KVPool, max_batch_tokens: int, graphs: bool = False,
+            max_len: int | None = None) -> WarmUp:
     """Passes over a scratch session before the stage says SERVING, so that the first caller does not pay for
     first-use costs (allocator growth, kernel selection, --compile's compilation of its decode graphs), and
     two of them timed, so that a fresh chain's first long pass is not taken for a hang (a router times a step
     by the passes its stages report, and before this they had none). A compilation that fails leaves the stage
-    eager (logged once). With cuda_graphs, the decode graphs are captured first (the timed passes replay them)."""
+    eager (logged once). With graphs, on CUDA, every pass's graphs are captured first, for sessions of up to max_len
+    positions (the timed passes replay them)."""
     t0 = time.perf_counter()
     if is_compiled(model):
         warm_up_decode(model, pool)
-    graphs = capture_decode_graphs(model, pool, max_batch_tokens) if cuda_graphs else ""
+    captured = ""
+    if graphs and model.device.type == "cuda":
+        captured = capture_pass_graphs(model, pool, max_batch_tokens, max_len or model.args.max_position)
     _scratch_passes(model, pool, (1,))
     n = max(1, min(PROBE_TOKENS, max_batch_tokens, model.args.max_position - 1))
     try:
         prefill_s, step_s = _scratch_passes(model, pool, (n, 1))
     except PoolExhausted:
         prefill_s = step_s = 0.0
-    return WarmUp(time.perf_counter() - t0, step_s * 1000, prefill_s * 1000 * max_batch_tokens / n, graphs)
+    return WarmUp(time.perf_counter() - t0, step_s * 1000, prefill_s * 1000 * max_batch_tokens / n, captured)
 
 
 class StageServer:
@@ -188,6 +186,9 @@ class StageServer:
         self.num_layers = model_config["num_hidden_layers"]
         check_tp(ModelArgs.from_config(model_config), config.tp, self.device)
         self.dtype = serving_dtype(config.dtype, model_config, self.device.type)  # --dtype, auto resolved
+        # The longest session admitted: --max-model-len, at most the model's context.
+        self.max_len = min(config.max_model_len or model_config["max_position_embeddings"],
+                           model_config["max_position_embeddings"])
         # What this stage serves (checkpoint.serving_fingerprint): registered, and in Stage/Info.
         self.fingerprint = serving_fingerprint(model_fingerprint(config.model), self.dtype, config.quantize)
         self.server = grpc_server.new_server(
@@ -275,11 +276,14 @@ class StageServer:
         """Serves model from now on; sessions of a previous slice are closed."""
         await self.deactivate()
         config, args = self.config, model.args
-        kv_bytes = int(config.kv_cache_gb * 2**30) if config.kv_cache_gb else default_kv_bytes(model.device)
+        graphs = (not config.enforce_eager and model.device.type == "cuda" and not config.compile
+                  and config.tp == 1)  # --compile has its own graphs; --tp ranks step together
+        kv_bytes = await self.in_compute(kv_pool_bytes, model, config.kv_cache_gb, self.pass_tokens,
+                                         config.gpu_memory_utilization, graphs)
         self.pool = await self.in_compute(KVPool, kv_bytes, len(model.layers), args.num_kv_heads, args.head_dim,
                                           model.dtype, model.device, config.kv_block_size, config.kv_lookahead_blocks,
                                           config.huge_pages)
-        warm = await self.in_compute(warm_up, model, self.pool, self.pass_tokens, config.cuda_graphs)
+        warm = await self.in_compute(warm_up, model, self.pool, self.pass_tokens, graphs, self.max_len)
         warm_s = warm.seconds
         compiled = (f" with torch.compile ({compiled_graphs(model)} decode graphs)" if is_compiled(model)
                     else " (eager: compilation failed)") if config.compile else ""
@@ -288,7 +292,7 @@ class StageServer:
                  f"cold start {model.load_s:.2f}s before serving; "
                  f"a decode step ~{warm.step_ms:.1f} ms, a full pass ({self.pass_tokens} tokens) "
                  f"~{warm.full_pass_ms:.0f} ms", extra={"stage": self.address})
-        self.sessions = SessionTable(self.pool, args.max_position, LogBudget(int(config.output_log_gb * 2**30)),
+        self.sessions = SessionTable(self.pool, self.max_len, LogBudget(int(config.output_log_gb * 2**30)),
                                      prefix_cache=config.prefix_cache and config.tp == 1)
         sessions = self.sessions
         self.batcher = StepBatcher(model, config.batcher, self.compute, warm.step_ms, warm.full_pass_ms,

@@ -81,7 +81,8 @@ class SessionTable:
             raise SessionExists(f"session {session_id} is already open")
         if not 1 <= max_length <= self.max_position:
             raise SessionTooLong(
-                f"max_length {max_length} is outside 1..{self.max_position} (the model's context)"
+                f"max_length {max_length} is outside 1..{self.max_position} (the longest session this stage admits: "
+                "the model's context, or its --max-model-len)"
             )
         keys = []
         if self.prefix_cache and prefix_ids:  # only what the session can reach counts (the rest would cost hashing)

@@ -22,7 +22,10 @@ import torch
 import triton
 import triton.language as tl
 
-from stage_server.pass_plan import PagedBatch
+from stage_server.pass_plan import PagedBatch, key_splits
+
+BLOCK_N = 64
+"""Keys a program scores at once (pass_plan.key_splits sizes splits in these)."""
 
 
 @triton.jit
@@ -109,10 +112,13 @@ def _paged_attention(
 
 
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, batch: PagedBatch, page: int,
-                    window: int = 0, scale: float | None = None, splits: int = 1, block_n: int = 64) -> torch.Tensor:
+                    window: int = 0, scale: float | None = None, splits: int | None = None,
+                    block_n: int = BLOCK_N) -> torch.Tensor:
     """q [T, H, D] (the pass's queries, their keys and values already written to the pools), k_pool/v_pool
     [slots, kvH, D] (one layer's) -> [T, H, D]: each row attends over its session's keys up to its position.
-    splits > 1 divides each tile's keys over that many programs (long contexts, few tiles)."""
+    splits > 1 divides each tile's keys over that many programs (long contexts, few tiles; default: the
+    batch's)."""
+    splits = batch.splits if splits is None else splits
     T, H, D = q.shape
     kv_heads = k_pool.shape[1]
     group = H // kv_heads
@@ -154,16 +160,7 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     B, nb = table.shape
     rows = torch.arange(B, dtype=torch.int32, device=q.device)
     batch = PagedBatch(table.to(torch.int32), rows, torch.ones_like(rows), (ends - 1).to(torch.int32), rows,
-                       torch.zeros_like(rows), 1, nb * block_size)
-    return paged_attention(q, k_pool, v_pool, batch, block_size, window, scale,
-                           splits=key_splits(B, k_pool.shape[1], nb * block_size, q.device))
+                       torch.zeros_like(rows), 1, nb * block_size, key_splits(B, k_pool.shape[1], nb * block_size,
+                                                                             q.device))
+    return paged_attention(q, k_pool, v_pool, batch, block_size, window, scale)
 
-
-def key_splits(tiles: int, kv_heads: int, max_keys: int, device: torch.device, block_n: int = 64) -> int:
-    """How many programs share one tile's keys: enough for about two programs per streaming multiprocessor,
-    none holding fewer than 4 key blocks (their partial results are merged after)."""
-    if device.type != "cuda":
-        return 1
-    programs = tiles * kv_heads
-    want = -(-2 * torch.cuda.get_device_properties(device).multi_processor_count // programs)
-    return max(1, min(want, max_keys // (4 * block_n), 16))

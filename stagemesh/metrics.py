@@ -63,6 +63,11 @@ STEP_PHASE_SECONDS = Histogram(
     "Time of one step (or pass) in each phase: wire_decode, assemble, model, sample, encode "
     "(stage_server/step_timing.py)", ["phase"],
     buckets=(0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 1))
+EAGER_PASSES = Counter("stagemesh_stage_eager_passes_total",
+                       "Passes of a CUDA stage with graphs that ran eager, by why: no bucket (too_many_tokens, "
+                       "too_many_sessions, past_max_len) or its bucket not captured (not_captured)", ["reason"])
+GRAPH_CAPTURE_FAILURES = Counter("stagemesh_stage_graph_capture_failures_total",
+                                 "CUDA graph captures that failed in a warm-up (the stage serves those passes eager)")
 STALLED = Gauge("stagemesh_stage_stalled", "1 while steps wait and no pass finished within --stall-timeout-s")
 
 

@@ -1,7 +1,7 @@
 """Exactness on a chosen device and dtype (`pytest --device cuda --test-dtype bfloat16 --test-model DIR`, as
 scripts/gpu_check.sh runs it on a GPU): a 2-stage chain on that device against transformers on the same device
-in the same dtype, eager and (on CUDA) with --cuda-graphs. By default (cpu, float32, the tiny Llama) it is one more
-float32 check."""
+in the same dtype, eager (--enforce-eager) and (on CUDA) with CUDA graphs. By default (cpu, float32, the tiny
+Llama) it is one more float32 check."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ async def test_two_stage_chain_matches_transformers_on_the_device(target, graphs
 
     device, dtype, model = target
     if graphs and not device.startswith("cuda"):
-        pytest.skip("CUDA graphs are captured on a CUDA device (--device cuda); tests/test_cuda_graphs.py checks "
+        pytest.skip("CUDA graphs are captured on a CUDA device (--device cuda); tests/triton_interpreted.py checks "
                     "their padding here")
     atol, rtol = TOLERANCE[dtype]
     config = AutoConfig.from_pretrained(model, local_files_only=True)
@@ -54,10 +54,10 @@ async def test_two_stage_chain_matches_transformers_on_the_device(target, graphs
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).to(device).eval()
     half = layers // 2
     mesh = await start_mesh(model, [[(0, half), (half, layers)]],
-                            stage_options={"device": device, "dtype": dtype, "cuda_graphs": graphs})
+                            stage_options={"device": device, "dtype": dtype, "enforce_eager": not graphs})
     try:
         if graphs:
-            assert all(s.model.decode_graph is not None for s in mesh.all_stages()), "a capture failed: see the log"
+            assert all(s.model.pass_graphs is not None for s in mesh.all_stages()), "a capture failed: see the log"
         ids = [i % vocab for i in prompt(24, seed=11)]
         chain = Chain([StageEndpoint(s.address) for s in mesh.stages[0]])
         async with ChainSession(chain, max_length=64, request_id="device-test") as session:
