@@ -248,3 +248,16 @@ def test_bytes_per_token_count_one_row_of_an_untied_embedding_and_all_of_a_tied_
         params, read = weight_bytes_per_token(str(model), "float32")
         unread = 0 if tied else (table[0] - 1) * table[1]
         assert read == (params - unread) * 4
+
+
+def test_bench_engine_reports_every_figure_against_its_floor(tmp_path):
+    out = tmp_path / "engine.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_engine.py"), "--shape", "tiny", "--device",
+                           "cpu", "--dtype", "float32", "--quick", "--json", str(out)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=RUN_S)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    [report] = json.loads(out.read_text())
+    assert report["floor_ms"] > 0 and report["single_stream_ms"] > 0 and report["batch"]["floor_ms"] > 0
+    assert report["prompt"]["tokens"] == 128 and report["prompt"]["chunked_ms"] > 0
+    assert report["attention"] == "cpu kernel" and report["eager_passes"] == 0
+    assert "one session's decode step" in proc.stdout
