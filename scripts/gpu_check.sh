@@ -1,19 +1,20 @@
 #!/usr/bin/env bash
-# The GPU check (issues 12 and 15), for a machine with a CUDA GPU; about 6 minutes on an H200.
+# The GPU check (issue 42), for a machine with a CUDA GPU; about 8 minutes on an H100.
 #
 #   scripts/gpu_check.sh [--model DIR] [--out DIR] [--python PY] [--keep-going] [--dry-run]
 #
 # 1. makes a ~1.1B random Llama in bfloat16 (TinyLlama's shape: hidden 2048, 22 layers, 32 heads, 4 KV heads,
 #    intermediate 5632, vocab 32000; stagemesh/tiny_model.py, no model hub) unless DIR holds one;
-# 2. exactness on CUDA: a 2-stage chain in bfloat16 against transformers on CUDA, eager (--enforce-eager) and with CUDA graphs
-#    (tests/test_device_exactness.py), and the tiny Llama's padded graph buckets in float32 against transformers
-#    within 1e-4 (tests/test_cuda_graphs.py);
-# 3. measures the HBM bandwidth (a device-to-device copy) and prints it next to the H200's 4.8 TB/s and the
-#    batch-1 decode limit it sets;
-# 4. the decode pass of the model's first 11 layers in process, 1, 32 and 64 sessions: eager against replayed
-#    CUDA graphs (scripts/bench_step_compile.py), the per-step cost of launching kernels one by one;
-# 5. runs scripts/bench.py on the GPU (CUDA graphs, by default): single-stream decode and 32/64 mixed streams, 1 and 2
-#    stages, side by side with transformers.
+# 2. exactness on CUDA: a 2-stage chain against transformers on the same GPU, eager (--enforce-eager) and with
+#    CUDA graphs (tests/test_device_exactness.py): the 1.1B model in bfloat16, the tiny Llama in float32 (1e-4);
+# 3. the engine in process against the memory floor (scripts/bench_engine.py, random weights, no checkpoint): the
+#    1.1B and Llama-3-8B shapes in bfloat16 with CUDA graphs: HBM bandwidth and the batch-1 floor, one session's
+#    decode step, a decode pass of 32 sessions x 4,096 positions against (weights + K/V) / bandwidth, a 2,048-token
+#    prompt's first token whole and in 512-token chunks, each graph bucket's capture time and memory, eager passes;
+# 4. the 1.1B model's decode pass in process, eager against CUDA graphs, 1, 32 and 64 sessions
+#    (scripts/bench_step_compile.py);
+# 5. scripts/bench.py on the GPU: single-stream decode and 32/64 mixed streams, 1 and 2 stages, side by side with
+#    transformers.
 #
 # It fails loudly: the first failing step stops it with a message naming the step (--keep-going: every step
 # runs, the failed ones are named at the end and the exit status is 1). --dry-run checks the arguments and
@@ -71,30 +72,19 @@ if not (Path('$MODEL') / 'config.json').exists():
                     vocab=32000, max_position=4096, dtype='bfloat16', seed=0)
 print('model ready')"
 
-step "2. exactness on CUDA: bfloat16 against transformers, eager and with CUDA graphs; padded buckets in float32"
-run "$PY" -m pytest -q -s -p no:cacheprovider tests/test_device_exactness.py tests/test_cuda_graphs.py \
+step "2. exactness on CUDA: bfloat16 (1.1B) and float32 (tiny Llama) against transformers, eager and graphed"
+run "$PY" -m pytest -q -s -p no:cacheprovider tests/test_device_exactness.py \
   --device cuda --test-dtype bfloat16 --test-model "$MODEL"
+run "$PY" -m pytest -q -s -p no:cacheprovider tests/test_device_exactness.py --device cuda --test-dtype float32
 
-step "3. HBM bandwidth"
-run "$PY" -c "import sys, json, statistics, time, torch
-from pathlib import Path
-n = 4 * 2**30  # bytes in each buffer
-src = torch.empty(n, dtype=torch.uint8, device='cuda').fill_(1)
-dst = torch.empty_like(src)
-times = []
-for _ in range(12):
-    torch.cuda.synchronize(); t = time.perf_counter(); dst.copy_(src); torch.cuda.synchronize()
-    times.append(time.perf_counter() - t)
-bw = 2 * n / statistics.median(times[2:])  # read + write
-weights = sum(p.stat().st_size for p in Path('$MODEL').glob('*.safetensors'))
-print(f'HBM copy bandwidth {bw / 1e12:.2f} TB/s (H200 spec: 4.8 TB/s); {weights / 2**30:.2f} GiB of weights:')
-print(f'batch-1 decode limit {weights / bw * 1000:.3f} ms/token measured, {weights / 4.8e12 * 1000:.3f} at spec')"
+step "3. the engine against the memory floor: 1.1B and 8B shapes, bfloat16, CUDA graphs"
+run "$PY" scripts/bench_engine.py --shape 1b --shape 8b --json "$OUT/engine.json"
 
-step "4. the decode pass of layers 0:11 in process, eager against CUDA graphs (1, 32 and 64 sessions)"
-run "$PY" scripts/bench_step_compile.py --model "$MODEL" --device cuda --dtype bfloat16 --end 11 --sizes 1,32,64 \
-  --passes 50 --variants eager,graphs
+step "4. the 1.1B decode pass in process, eager against CUDA graphs (1, 32 and 64 sessions)"
+run "$PY" scripts/bench_step_compile.py --model "$MODEL" --device cuda --dtype bfloat16 --sizes 1,32,64 \
+  --end 22 --passes 50 --variants eager,graphs
 
-step "5. bench.py on the GPU (CUDA graphs, by default): single stream, 32 and 64 mixed streams, 1 and 2 stages"
+step "5. bench.py on the GPU: single stream, 32 and 64 mixed streams, 1 and 2 stages"
 run "$PY" scripts/bench.py --model "$MODEL" --dtype bfloat16 --device cuda --stages 1,2 --replicas 1 \
   --levels 1,32,64 --repeats 1 --out "$OUT/bench"
 
