@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 from stagemesh.discovery.backends import open_registry
 from stagemesh.discovery.registry import ServiceRecord, assignment_key, chains_key
@@ -54,24 +53,37 @@ async def test_scheduler_skips_bad_registrations_and_keeps_scheduling(plane, cap
         await registry.close()
 
 
-async def test_router_keeps_its_chains_when_the_published_table_is_garbage(plane):  # noqa: F811
+GARBAGE_TABLES = (b"{not json", b'{"chains": [{"stages": [{"address": 5}]}]}', b"\xff\xfe", b'{"chains": 3}')
+GARBAGE_ASSIGNMENTS = (b"x:y", b"0:99", b"\xff", b"5")
+
+
+async def test_router_keeps_its_chains_when_the_published_table_is_garbage(plane, caplog):  # noqa: F811
+    """Each garbage table is read (the router says it ignores it, once) and skipped: the chain it had serves."""
     await plane.add_scheduler()
     await plane.add_stage(share_of_model=1.5)
     stub = await plane.add_router()
     assert len(await wait_for_chains(stub, lambda c: len(c) == 1)) == 1
     registry = open_registry(plane.url)
+
+    def skipped() -> int:
+        return sum(r.getMessage().startswith("ignoring the published chains: ") for r in caplog.records)
+
     try:
-        for garbage in (b"{not json", b'{"chains": [{"stages": [{"address": 5}]}]}', b"\xff\xfe", b'{"chains": 3}'):
-            await registry.kv_put(chains_key(plane.model.name), garbage)
-            await asyncio.sleep(0.3)
-            assert await _generate(stub)
-            assert len(await wait_for_chains(stub, lambda c: len(c) == 1, timeout=0)) == 1
+        with caplog.at_level(logging.WARNING, logger="stagemesh.router"):
+            for read, garbage in enumerate(GARBAGE_TABLES, start=1):
+                await registry.kv_put(chains_key(plane.model.name), garbage)
+                await until(lambda n=read: skipped() == n, 10.0, f"the router read and skipped {garbage!r}")
+                assert await _generate(stub)
+                assert len(await wait_for_chains(stub, lambda c: len(c) == 1, timeout=0)) == 1
+        assert skipped() == len(GARBAGE_TABLES)  # once each
         assert not any(t.done() for t in plane.router._tasks)
     finally:
         await registry.close()
 
 
 async def test_stage_keeps_serving_when_its_assignment_is_garbage(plane):  # noqa: F811
+    """Each garbage assignment is read and refused (the stage holds the problem it says, once), and the stage
+    keeps serving its layers; a valid one after them is still followed."""
     await plane.add_scheduler()
     server = await plane.add_stage(share_of_model=1.5)
     stub = await plane.add_router()
@@ -81,16 +93,14 @@ async def test_stage_keeps_serving_when_its_assignment_is_garbage(plane):  # noq
     registry = open_registry(plane.url)
     try:
         key = assignment_key(plane.model.name, registration.service_id)
-        for garbage in (b"x:y", b"0:99", b"\xff", b"5"):
+        for garbage in GARBAGE_ASSIGNMENTS:
             await registry.kv_put(key, garbage)
-            await asyncio.sleep(0.3)
+            await until(lambda g=garbage: f"cannot apply assignment {g!r}: " in registration._last_problem, 10.0,
+                        f"the stage read and refused {garbage!r}")
             assert server.layers == (0, 8)
             assert await _generate(stub)
         assert not any(t.done() for t in registration._tasks)
         await registry.kv_put(key, b"0:4")  # a valid one is still followed
-        deadline = time.monotonic() + 20
-        while server.layers != (0, 4) and time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
-        assert server.layers == (0, 4)
+        await until(lambda: server.layers == (0, 4), 20.0, "the stage loads the valid assignment 0:4")
     finally:
         await registry.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 import time
 
 import grpc
@@ -42,9 +43,24 @@ async def router_over(mesh, model, chain_specs: list[str], **generation) -> rout
 @pytest.mark.parametrize("fault", ["black_hole", "stalled_compute"])
 async def test_a_hung_stage_is_failed_over_like_a_dead_one(tiny_model, hf_models, fault, monkeypatch):
     """A stage that stops answering mid-stream, with its process (and health endpoint) still up:
-    the stream moves to the other chain within the progress timeout and its tokens are exact."""
-    mesh = await start_mesh(tiny_model, [splits(4, 4), splits(2, 6)], router=False)
-    link = LinkProxy(mesh.stages[0][1].address).start()
+    the stream moves to the other chain within the progress timeout (one failover, counted) and its tokens
+    are exact. The stalled compute is stalled where every pass of the stage runs, its model's forward: the
+    queue's path, a lone session's inline step (run_now) and a batch alike. Its stages run torch on two
+    threads, so that each pass runs on the stage's compute thread: a one-thread stage runs a lone session's
+    decode step inline, on its event loop, which here is the router's and this test's too (a stage stalled
+    there answers nothing at all: the black hole)."""
+    mesh = await start_mesh(tiny_model, [splits(4, 4), splits(2, 6)], router=False, stage_options={"threads": 2})
+    hung = mesh.stages[0][1]
+    link = LinkProxy(hung.address).start()
+    stalled, release = threading.Event(), threading.Event()
+    forward = hung.batcher.model.forward
+
+    def stalled_forward(inputs, steps):
+        stalled.set()
+        release.wait(120)  # the compute thread stuck (bounded: released when the test ends)
+        return forward(inputs, steps)
+
+    failovers = metrics.FAILOVERS._value.get()
     try:
         stub = await router_over(mesh, tiny_model, [f"{mesh.stages[0][0].address},{link.address}",
                                                     ",".join(s.address for s in mesh.stages[1])],
@@ -60,19 +76,23 @@ async def test_a_hung_stage_is_failed_over_like_a_dead_one(tiny_model, hf_models
                 if fault == "black_hole":
                     link.set(black_hole=True)
                 else:  # the compute thread stuck: the stage's event loop, and its health, still answer
-                    monkeypatch.setattr(mesh.stages[0][1].batcher, "submit", _never)
+                    monkeypatch.setattr(hung.batcher.model, "forward", stalled_forward)
                 t_fault = time.monotonic()
             elif len(got) == 6:
                 t_next = time.monotonic()
         assert got == expected
+        assert metrics.FAILOVERS._value.get() - failovers == 1, "the stream left the hung stage's chain, once"
+        if fault == "stalled_compute":
+            assert stalled.is_set(), "the stage's next pass ran into the stall"
+            async with grpc_server.insecure_channel(hung.address) as channel:
+                health = await health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(service=STAGE_SERVICE), timeout=10)
+            assert health.status == health_pb2.HealthCheckResponse.SERVING, "hung, not dead: its health answers"
         assert t_next - t_fault < 15  # the progress timeout (1 s + margin), not the call's 60 s deadline
     finally:
+        release.set()
         link.stop()
         await mesh.stop()
-
-
-async def _never(*_args, **_kwargs):
-    await asyncio.Event().wait()
 
 
 @pytest.mark.parametrize("forwarding", [True, False], ids=["forwarding", "relay"])
