@@ -177,7 +177,9 @@ class StageConfig:
     quantize: Quantization = "none"
     """int8: Linear weights in int8 (int8 kernels on CPU float32, weight-only elsewhere); int8-weight-only:
     int8 weights, activations in the model's dtype, on any device (on a CPU float32 stage in int8 panels for
-    stagemesh's kernel; stage_server/quantize.py; the README gives the accuracy cost)."""
+    stagemesh's kernel, on CUDA widened tile by tile by a Triton kernel); fp8: float8_e4m3 weights and FP8 matrix
+    products (CUDA compute capability 8.9+, i.e. Ada and Hopper; stage_server/quantize.py; the docs give the
+    accuracy cost)."""
     preload: bool = False
     """Read every weight page at start, so that no request pays for a cold page (tensors used as stored
     are otherwise views of the memory-mapped safetensors file, read on first use); Stage/Info reports

@@ -14,7 +14,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from stage_server import huge_pages
 from stage_server.model import StageModel
-from stage_server.quantize import int8_rows, int8_weight_only
+from stage_server.quantize import ROWS, LinearFormat, quantize_linears
 from stage_server.tensor_parallel import rank_args, shard_of
 from stagemesh.checkpoint import ModelArgs, is_linear_weight, stage_sources, weight_files
 
@@ -76,13 +76,13 @@ def load_stage(
     *,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
-    int8_linears: bool = False,
+    linears: LinearFormat = "dense",
     tp: tuple[int, int] = (0, 1),
     huge: bool = True,
 ) -> StageModel:
-    """Builds the slice and reads only its own tensors from the checkpoint. With int8_linears every
-    Linear becomes stage_server.quantize.Int8WeightLinear, each weight quantized on the CPU as it is
-    read: the device never holds the full-precision slice. tp = (rank, size): the slice of one rank of
+    """Builds the slice and reads only its own tensors from the checkpoint. With linears "int8" or "fp8" every
+    Linear becomes stage_server.quantize's Int8WeightLinear or Fp8Linear, each weight quantized on the CPU as it
+    is read: the device never holds the full-precision slice. tp = (rank, size): the slice of one rank of
     a tensor-parallel stage, its heads and MLP columns only (stage_server/tensor_parallel.py)."""
     model_dir = Path(model_dir)
     config = load_hf_config(model_dir)
@@ -92,8 +92,7 @@ def load_stage(
     inv_freq, rope_scale = rope_inv_freq(config)
     with torch.device("meta"):
         model = StageModel(args, layer_start, layer_end, inv_freq, rope_scale)
-        if int8_linears:
-            int8_weight_only(model)  # shapes and dtypes only, on the meta device
+        quantize_linears(model, linears)  # shapes and dtypes only, on the meta device
 
     sources = stage_sources(args, layer_start, layer_end)  # our parameter -> the checkpoint tensors it is made of
     device_type = torch.device(device).type
@@ -104,8 +103,8 @@ def load_stage(
     state: dict[str, torch.Tensor] = {}
 
     def put(name: str, tensor: torch.Tensor) -> None:
-        if int8_linears and is_linear_weight(name):
-            q, scale = int8_rows(tensor.to(dtype), dtype)  # of the weight the stage would otherwise hold
+        if linears != "dense" and is_linear_weight(name):
+            q, scale = ROWS[linears](tensor.to(dtype), dtype)  # of the weight the stage would otherwise hold
             state[name], state[name.removesuffix("weight") + "scale"] = q.to(device), scale.to(device)
         else:
             state[name] = tensor.to(device=device, dtype=dtype)
@@ -114,7 +113,7 @@ def load_stage(
                     disable=not sys.stderr.isatty(), leave=False)  # a progress bar on a terminal only
     for ours, names in progress:
         # float32 only: a bfloat16 GEMV is ~20% slower over the transposed layout (oneDNN prefers rows).
-        transposed = device_type == "cpu" and dtype == torch.float32 and not int8_linears and is_linear_weight(ours)
+        transposed = device_type == "cpu" and dtype == torch.float32 and linears == "dense" and is_linear_weight(ours)
         parts = [shard_of(ours, i, full_args, *tp) for i in range(len(names))]  # None: the whole tensor
         if len(names) == 1 and not transposed and parts[0] is None:  # as stored: on CPU a view of the file, read on use
             with safe_open(str(files[names[0]]), framework="pt", device="cpu") as f:
@@ -125,8 +124,8 @@ def load_stage(
             # Linear weights laid out as their transpose ([in, out] in memory): F.linear of one
             # token (a GEMV, every decode step) is ~20% faster over it on CPU in float32.
             t = huge_pages.zeros((shape[1], shape[0]), dtype, huge).t()  # streamed every step: on 2 MiB pages
-        else:  # int8: assembled on the CPU, then quantized and moved
-            t = torch.empty(shape, dtype=dtype, device="cpu" if int8_linears else device)
+        else:  # int8 or fp8: assembled on the CPU, then quantized and moved
+            t = torch.empty(shape, dtype=dtype, device="cpu" if linears != "dense" else device)
         row = 0
         for name, part in zip(names, parts, strict=True):  # the parts, one after another along the rows
             row += _copy_rows(t[row:], files[name], name, part)
@@ -134,8 +133,8 @@ def load_stage(
             raise ValueError(f"checkpoint tensors {names} have {row} rows in all; expected {shape[0]}")
         put(ours, t)
     if model.is_first and model.is_last and args.tie_word_embeddings:
-        if int8_linears:
-            put("lm_head.weight", state["embed_tokens.weight"].cpu())  # an int8 copy: not shared
+        if linears != "dense":
+            put("lm_head.weight", state["embed_tokens.weight"].cpu())  # a quantized copy: not shared
         else:
             state["lm_head.weight"] = state["embed_tokens.weight"]
     model.to_empty(device=device)

@@ -11,18 +11,11 @@ through each session's block table.
 
 from __future__ import annotations
 
-import importlib
-import logging
-from types import ModuleType
-
 import torch
 
-from stage_server import cpu_kernels
+from stage_server import cpu_kernels, triton_loader
 from stage_server.model import StageModel
 from stage_server.pass_plan import DecodeAttention
-
-log = logging.getLogger("stagemesh.stage")
-_triton: list[ModuleType | None] = []  # triton_attention once tried: [module] or [None]
 
 
 def load() -> DecodeAttention | None:
@@ -30,21 +23,11 @@ def load() -> DecodeAttention | None:
     return torch.ops.stagemesh.decode_attention if cpu_kernels.load() else None
 
 
-def triton_kernels() -> ModuleType | None:
-    """stage_server.triton_attention, or None where Triton cannot be imported (logged once)."""
-    if not _triton:
-        try:
-            _triton.append(importlib.import_module("stage_server.triton_attention"))
-        except ImportError as exc:  # an optional dependency: the stage serves with gathered attention
-            log.warning(f"attention on CUDA gathers K/V for SDPA: Triton cannot be loaded ({exc})")
-            _triton.append(None)
-    return _triton[0]
-
-
 def attach(model: StageModel) -> None:
     """model's passes attend through the device's kernel from now on (where it can be had)."""
     if model.device.type == "cpu":
         model.decode_attention = load()
-    elif model.device.type == "cuda" and (kernels := triton_kernels()) is not None:
+    elif model.device.type == "cuda" and (kernels := triton_loader.load(
+            "triton_attention", "attention on CUDA gathers K/V for SDPA")) is not None:
         model.ragged_attention = kernels.paged_attention
         model.decode_attention = kernels.decode_attention  # what a CUDA graph of decode steps captures

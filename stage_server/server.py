@@ -26,7 +26,7 @@ from stage_server.loader import TORCH_DTYPES, load_stage
 from stage_server.memory_plan import kv_pool_bytes
 from stage_server.model import StageModel, StepSlice
 from stage_server.output_log import LogBudget
-from stage_server.quantize import loads_int8_weights, quantize
+from stage_server.quantize import check_fp8, linear_format, quantize
 from stage_server.sessions import SessionTable, short_id
 from stage_server.stage_service import ERROR_CODES, StageService
 from stage_server.tensor_parallel import TPGroup, check_tp
@@ -185,6 +185,8 @@ class StageServer:
         model_config = read_config(config.model)
         self.num_layers = model_config["num_hidden_layers"]
         check_tp(ModelArgs.from_config(model_config), config.tp, self.device)
+        if config.quantize == "fp8":
+            check_fp8(self.device)
         self.dtype = serving_dtype(config.dtype, model_config, self.device.type)  # --dtype, auto resolved
         # The longest session admitted: --max-model-len, at most the model's context.
         self.max_len = min(config.max_model_len or model_config["max_position_embeddings"],
@@ -224,8 +226,8 @@ class StageServer:
 
     def _why_not_packed(self, model: StageModel) -> str | None:
         """Why this stage's Linear weights stay in torch's layout (None: they are packed, packed_weights.py)."""
-        if self.config.quantize == "int8" or self.config.tp > 1:  # int8-weight-only packs its int8 weights
-            return "--quantize int8 and --tp hold their Linears their own way"
+        if self.config.quantize in ("int8", "fp8") or self.config.tp > 1:  # int8-weight-only packs its int8 weights
+            return "--quantize int8 or fp8 and --tp hold their Linears their own way"
         return packed_weights.available(model)
 
     def load(self, layer_start: int, layer_end: int | None) -> StageModel:
@@ -240,7 +242,7 @@ class StageServer:
                           "dtype": self.dtype, "device": str(self.device), "threads": self.config.threads,
                           "size": self.config.tp, "attention_kernel": self.config.attention_kernel}, self.device)
         model = load_stage(self.config.model, layer_start, layer_end, dtype=dtype, device=self.device,
-                           int8_linears=loads_int8_weights(self.config.quantize, self.device.type, dtype),
+                           linears=linear_format(self.config.quantize, self.device.type, dtype),
                            tp=(0, self.config.tp), huge=self.config.huge_pages)
         if tp is not None:
             tp.join(model)

@@ -24,10 +24,10 @@ DtypeChoice = Literal["auto", "float32", "bfloat16", "float16"]
 """--dtype: a serving dtype, or auto (serving_dtype)."""
 _CHECKPOINT_DTYPES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float16": "float16",
                       "half": "float16"}
-Quantization = Literal["none", "int8", "int8-weight-only"]
+Quantization = Literal["none", "int8", "int8-weight-only", "fp8"]
 """int8: Linear weights in int8 (int8 kernels on CPU float32, weight-only elsewhere); int8-weight-only:
-int8 weights, activations in the model's dtype, on any device. Either way a Linear weight weighs one byte plus a
-scale per row."""
+int8 weights, activations in the model's dtype, on any device; fp8: float8_e4m3 weights and FP8 matrix products
+(Hopper; stage_server/quantize.py). Either way a Linear weight weighs one byte plus a scale per row."""
 QUANTIZE = get_args(Quantization)
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 

@@ -337,7 +337,7 @@ def test_int8_footprint_is_what_a_quantized_stage_holds(tiny_dirs, family, span)
     path = tiny_dirs[family]
     m = ModelFootprint.from_model_dir(path, quantize="int8")
     converted = quantize(load_stage(path, *span), "int8-weight-only")
-    loaded = load_stage(path, *span, int8_linears=True)  # how a stage loads it: never full precision
+    loaded = load_stage(path, *span, linears="int8")  # how a stage loads it: never full precision
     for stage in (converted, loaded):
         assert m.stage_bytes(*span) == sum(p.nbytes for p in stage.parameters())
     assert m.total_bytes < 0.45 * ModelFootprint.from_model_dir(path).total_bytes

@@ -12,7 +12,7 @@ from router.step_values import Sampling
 from stage_server import cpu_kernels
 from stage_server.loader import load_stage
 from stage_server.packed_weights import PackedLinear
-from stage_server.quantize import Int8WeightLinear, quantize
+from stage_server.quantize import FP8, Fp8Linear, Int8WeightLinear, fp8_rows, quantize
 from stagemesh import tensor_codec
 from stagemesh.v1 import router_pb2
 from tests.conftest import collect, splits, start_mesh
@@ -90,7 +90,7 @@ def test_unknown_quantization_says_what_to_use(tiny_model):
 
 
 def test_int8_loaded_weights_equal_converted_ones(tiny_model):
-    loaded = load_stage(tiny_model, 0, 8, dtype=torch.bfloat16, int8_linears=True)
+    loaded = load_stage(tiny_model, 0, 8, dtype=torch.bfloat16, linears="int8")
     converted = quantize(load_stage(tiny_model, 0, 8, dtype=torch.bfloat16), "int8")
     assert set(dict(loaded.named_parameters())) == set(dict(converted.named_parameters()))
     for name, p in loaded.named_parameters():
@@ -106,3 +106,31 @@ def test_float16_int8_weights_stay_finite_with_large_activations():
     out = Int8WeightLinear(linear)(x)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.float(), x.float() @ linear.weight.float().t(), rtol=0.02, atol=0.5)
+
+
+async def test_fp8_stage_serves_logits_close_to_float32_from_fp8_weights(tiny_model):
+    """--quantize fp8 on a CPU stage (torch's FP8 kernel stands in for Hopper's): every Linear an Fp8Linear holding
+    float8_e4m3 weights, logits close to float32's but not equal (it really ran in FP8)."""
+    ids = list(range(10, 40))
+    logits = {}
+    for option in ("none", "fp8"):
+        mesh = await start_mesh(tiny_model, [splits(4, 4)], router=False, stage_options={"quantize": option})
+        try:
+            if option == "fp8":
+                for stage in mesh.all_stages():
+                    held = [m for m in stage.model.modules() if isinstance(m, (Fp8Linear, nn.Linear))]
+                    assert held and all(isinstance(m, Fp8Linear) and m.weight.dtype == FP8 for m in held)
+                    assert stage.fingerprint.endswith("/fp8")
+            logits[option] = await last_logits(mesh, ids)
+        finally:
+            await mesh.stop()
+    assert (logits["fp8"] - logits["none"]).abs().max() < 0.3
+    assert not torch.equal(logits["fp8"], logits["none"])
+
+
+def test_fp8_rows_round_trip_within_fp8_precision():
+    w = torch.randn(64, 96) * torch.logspace(-2, 1, 64)[:, None]  # rows of very different magnitudes
+    q, scale = fp8_rows(w, torch.float32)
+    assert q.dtype == FP8 and scale.shape == (64,)
+    back = q.float() * scale[:, None]
+    assert ((back - w).abs() <= w.abs().amax(1, keepdim=True) * 2**-3).all()  # e4m3: 3 mantissa bits

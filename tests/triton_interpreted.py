@@ -2,10 +2,11 @@
 
 Not collected by the suite on its own (its name is not test_*.py): tests/test_triton_attention.py runs it in a
 process whose environment has TRITON_INTERPRET=1 before triton is imported, which the interpreter needs.
-Checked here: the kernel against attention computed in float64 from the pool, for decode steps, prefill chunks
+Checked here: the attention kernel against attention computed in float64 from the pool, for decode steps, prefill chunks
 and passes mixing them, sessions of very different lengths, block boundaries, sliding windows, GQA, key splits,
 a head size that is not a power of two, float32 and float16 (the interpreter cannot compute in bfloat16: the
-GPU check does); and a stage's model attending through it against transformers within 1e-4 in float32.
+GPU check does); a stage's model attending through it against transformers within 1e-4 in float32, every pass
+through CUDA graphs' padded buffers likewise; and the int8 weight-only matrix product (triton_int8.py).
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from stage_server.kv_pool import KVPool
 from stage_server.loader import load_stage
 from stage_server.model import StepSlice
 from stage_server.pass_plan import paged_batch
+from stage_server.quantize import int8_rows
 from stage_server.triton_attention import decode_attention, paged_attention
+from stage_server.triton_int8 import int8_weight_matmul
 from stagemesh import metrics
 from tests.conftest import decode_passes_match_transformers
 from tests.test_exactness import prompt
@@ -211,3 +214,23 @@ def test_passes_through_padded_graph_buckets_equal_transformers(tiny_models, hf_
     too_many = [StepSlice(cache, 0, cache.length, 33)]
     assert graphed(torch.zeros(33, dtype=torch.long), too_many) is None
     assert eager_passes() == before + 1
+
+
+@pytest.mark.parametrize("rows", [1, 5, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_int8_weight_kernel_computes_what_int8_weight_linear_computes(rows, dtype, bias):
+    """triton_int8.int8_weight_matmul: x @ (q * scale)^T + bias, the weight widened tile by tile, for shapes that
+    fill no tile evenly (N 200 of 64-column tiles, K 300 of 128-deep ones)."""
+    g = torch.Generator().manual_seed(rows)
+    linear = torch.nn.Linear(300, 200, bias=bias)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(200, 300, generator=g) * 0.05)
+    q, scale = int8_rows(linear.weight, torch.float32)
+    x = torch.randn(rows, 300, generator=g).to(dtype)
+    b = linear.bias.detach().to(dtype) if bias else None
+    out = int8_weight_matmul(x, q, scale.to(dtype), b)
+    want = x.double() @ (q.double() * scale.double()[:, None]).T + (b.double() if bias else 0)
+    assert out.dtype == dtype and out.shape == (rows, 200)
+    # float16: the output's own rounding (~1e-3 at these magnitudes)
+    torch.testing.assert_close(out.double(), want, atol=1e-4 if dtype == torch.float32 else 2e-3, rtol=0)
