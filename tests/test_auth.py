@@ -126,11 +126,11 @@ async def test_a_priority_above_the_tokens_allowance_is_permission_denied(mesh):
     for method, call in calls(stub, bearer(BILLING), priority=1).items():
         expected = grpc.StatusCode.OK if method == "ListChains" else grpc.StatusCode.PERMISSION_DENIED
         assert await code_of(call()) == expected, method
-    try:
+    with pytest.raises(grpc.aio.AioRpcError) as err:  # and it says why: the caller's name and its allowance
         await collect(stub.Generate(router_pb2.GenerateRequest(token_ids=PROMPT, max_new_tokens=2, priority=1),
                                     metadata=bearer(BILLING), timeout=30))
-    except grpc.aio.AioRpcError as exc:
-        assert "max_priority 0" in exc.details() and "billing" in exc.details()
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "max_priority 0" in err.value.details() and "billing" in err.value.details()
     for method, call in calls(stub, bearer(OPS), priority=5).items():  # its own allowance is fine
         assert await code_of(call()) == grpc.StatusCode.OK, method
     assert await status(stub, "Generate", bearer(OPS), priority=6) == grpc.StatusCode.PERMISSION_DENIED

@@ -22,6 +22,9 @@ ON_REQUEST = THP.exists() and "[madvise]" in THP.read_text()
 """Huge pages only where asked for: then memory that does not ask has none (with `always` every large region may)."""
 needs_thp = pytest.mark.skipif(not THP.exists() or "[never]" in THP.read_text(),
                                reason="this kernel offers no transparent huge pages (or says nothing of them)")
+needs_thp_on_request = pytest.mark.skipif(
+    not ON_REQUEST, reason="this kernel's transparent huge pages are not `madvise` (only where asked for): with "
+    "`always` memory that does not ask may lie on them too, with `never` (or none) nothing does")
 
 
 def huge_bytes_under(tensor: torch.Tensor) -> int:
@@ -73,13 +76,17 @@ def test_the_kv_pool_lies_on_huge_pages_as_its_blocks_are_used():
     pool.k.fill_(1.0)
     pool.v.fill_(1.0)
     assert huge_bytes_under(pool.k) >= pool.k.nbytes // 2 and huge_bytes_under(pool.v) >= pool.v.nbytes // 2
+
+
+@needs_thp_on_request
+def test_a_kv_pool_without_huge_pages_lies_on_none():
+    """--no-huge-pages: the pool does not ask for them, and gets none."""
     plain = KVPool(64 << 20, num_layers=2, num_kv_heads=4, head_dim=64, dtype=torch.float32, device="cpu", huge=False)
     plain.k.fill_(1.0)
-    assert huge_bytes_under(plain.k) == 0 or not ON_REQUEST  # --no-huge-pages
+    assert huge_bytes_under(plain.k) == 0
 
 
-@needs_thp
-@pytest.mark.parametrize("huge", [True, False])
+@pytest.mark.parametrize("huge", [pytest.param(True, marks=needs_thp), pytest.param(False, marks=needs_thp_on_request)])
 async def test_a_stage_serves_from_a_pool_on_huge_pages_unless_told_not_to(tiny_model, hf_models, huge):
     mesh = Mesh()
     try:
@@ -92,7 +99,10 @@ async def test_a_stage_serves_from_a_pool_on_huge_pages_unless_told_not_to(tiny_
         ids, _, _ = await collect(mesh.router_stub.Generate(request([5, 6, 7, 8], 12)))
         assert ids == hf_greedy(hf_models["llama"], [5, 6, 7, 8], 12)
         on_huge = huge_bytes_under(server.pool.k)  # the warm-up's and the stream's blocks touched it
-        assert on_huge > 0 if huge else (on_huge == 0 or not ON_REQUEST)
-        assert server.pool.k.data_ptr() % huge_pages.HUGE_PAGE == 0 or not huge
+        if huge:
+            assert on_huge > 0
+            assert server.pool.k.data_ptr() % huge_pages.HUGE_PAGE == 0
+        else:
+            assert on_huge == 0
     finally:
         await mesh.stop()

@@ -149,9 +149,11 @@ def test_no_compiler_means_no_kernels_and_says_why(monkeypatch, caplog):
 def test_scores_near_equal_or_far_apart_are_weighed_as_sdpa_weighs_them(scale, atol):
     """The softmax runs 16 scores at a time with the row's tail padded: rows of every length up to two vectors and
     a bit, with scores all but equal (weights ~1/n) or far apart (most weights below e^-87), equal SDPA's. (Scores
-    of ~170 carry float32 rounding of ~1e-5 into their weights, in SDPA as in the kernel: hence the wider atol.)"""
+    of ~170 carry float32 rounding of ~1e-5 into their weights, in SDPA as in the kernel: hence the wider atol.
+    The outputs, weighted means of values ~1, differed by at most 2.3e-5 peaked and 3e-7 flat over 40 draws of q.
+    No rtol: an output near 0 is held to atol like any other.)"""
     lengths = list(range(1, 36))
     k, v, table = scattered_pool(2, 32, lengths, 16, torch.float32, seed=3)
     q = torch.randn(len(lengths), 4, 32) * scale
     got = kernel(q, k, v, table, torch.tensor(lengths), 16, 0, 32**-0.5)
-    torch.testing.assert_close(got, reference(q, k, v, table, lengths, 16, 0), atol=atol, rtol=1e-5 + 100 * atol)
+    torch.testing.assert_close(got, reference(q, k, v, table, lengths, 16, 0), atol=atol, rtol=0)
