@@ -11,6 +11,7 @@ from router.chains import ChainSet, parse_chain
 from stagemesh.checkpoint import model_fingerprint
 from stagemesh.link_proxy import LinkProxy
 from tests.conftest import splits, start_mesh
+from tests.test_claims import until
 
 
 async def test_a_check_in_flight_when_a_chain_fails_does_not_bring_it_back(tiny_model):
@@ -23,9 +24,11 @@ async def test_a_check_in_flight_when_a_chain_fails_does_not_bring_it_back(tiny_
         await chains.refresh()
         assert chain.healthy
         link.set(delay_s=0.15)  # each way: the check's two calls to the first stage take ~0.6 s, within its timeout
+        sent = link.bytes_in
         check = asyncio.ensure_future(chains.refresh())
-        await asyncio.sleep(0.2)  # the check has begun
+        await until(lambda: link.bytes_in > sent, 10, "the check's first call reached the link", every=0.005)
         chains.mark_down(chain, "UNAVAILABLE: a stream on it failed")
+        assert not check.done()  # its calls are still on the slow link
         await check
         assert not chain.healthy, "a check that began before the failure brought the chain back"
         link.set()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import itertools
 import logging
 
 import grpc
@@ -42,10 +43,14 @@ def no_gc():
     gc.enable()
 
 
-async def flood_server(closed: asyncio.Event) -> tuple[grpc.aio.Server, str]:
+async def flood_server(closed: asyncio.Event, writing: asyncio.Event | None = None) -> tuple[grpc.aio.Server, str]:
+    """A server whose handler writes CHUNK after CHUNK; `closed` is set when its finally runs, `writing` when it has
+    handed grpc its second message, which waits for room in the caller's window."""
     async def flood(request: bytes, context: grpc.aio.ServicerContext):
         try:
-            while True:
+            for sent in itertools.count():
+                if sent == 1 and writing is not None:
+                    writing.set()
                 yield CHUNK
         finally:
             closed.set()
@@ -61,15 +66,16 @@ async def flood_server(closed: asyncio.Event) -> tuple[grpc.aio.Server, str]:
 
 
 async def test_a_caller_that_cancels_mid_write_ends_the_handler_at_once(traced, no_gc):
-    closed = asyncio.Event()
-    server, address = await flood_server(closed)
+    closed, writing = asyncio.Event(), asyncio.Event()
+    server, address = await flood_server(closed, writing)
     try:
         async with grpc_server.insecure_channel(address) as channel:
             for _ in range(5):
                 closed.clear()
+                writing.clear()
                 call = channel.unary_stream("/test.Flood/Flood")(b"", timeout=30)
                 assert await call.read() == CHUNK
-                await asyncio.sleep(0.05)  # the server is blocked writing the next message
+                await asyncio.wait_for(writing.wait(), timeout=30)  # the server waits in its next write
                 call.cancel()
                 await asyncio.wait_for(closed.wait(), timeout=30)  # the handler's finally ran
     finally:

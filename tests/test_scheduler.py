@@ -20,6 +20,7 @@ from stagemesh.checkpoint import ModelFootprint
 from stagemesh.discovery.backends import open_registry
 from stagemesh.v1 import router_pb2, router_pb2_grpc
 from tests.conftest import collect
+from tests.test_claims import until
 
 
 class ControlPlane:
@@ -185,7 +186,7 @@ async def test_dead_stage_is_withdrawn_and_a_spare_fills_the_gap(plane):
 
 async def test_standby_scheduler_takes_over_and_chains_keep_serving(plane):
     first = await plane.add_scheduler()
-    await asyncio.sleep(0.3)
+    await until(lambda: first.leading, 10, "the first scheduler leads")
     second = await plane.add_scheduler()
     for _ in range(2):
         await plane.add_stage(share_of_model=1.5)
@@ -203,13 +204,14 @@ async def test_standby_scheduler_takes_over_and_chains_keep_serving(plane):
     assert len(await wait_for_chains(stub, lambda c: len(c) == 3)) == 3
 
 
-async def test_router_keeps_its_chains_while_the_registry_is_unreachable(plane):
+async def test_router_keeps_its_chains_while_the_registry_is_unreachable(plane, caplog):
     await plane.add_scheduler()
     await plane.add_stage(share_of_model=1.5)
     stub = await plane.add_router()
     assert len(await wait_for_chains(stub, lambda c: len(c) == 1)) == 1
     await plane.registry_server.stop(0)
-    await asyncio.sleep(1.5)
+    await until(lambda: any(r.name == "stagemesh.router" and "registry unreachable" in r.getMessage()
+                            for r in caplog.records), 30, "the router found the registry unreachable")
     for _ in range(3):
         ids, _, _ = await collect(stub.Generate(router_pb2.GenerateRequest(token_ids=[5, 6], max_new_tokens=3)))
         assert ids

@@ -5,16 +5,19 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import time
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from router import chain_client
 from router.chains import STAGE_SERVICE
 from stagemesh import wire
 from stagemesh.discovery.chain_table import PublishedChain, PublishedStage
 from stagemesh.v1 import router_pb2, stage_pb2
 from tests.conftest import collect, hf_greedy, splits, start_mesh
+from tests.test_claims import until
 
 
 @pytest.fixture(scope="module")
@@ -73,10 +76,19 @@ async def test_callers_that_leave_while_their_next_step_is_on_its_way_leave_noth
 
 
 async def test_deadline_ends_the_stream_and_frees_its_sessions(mesh):
+    """A deadline that passes mid-stream: DEADLINE_EXCEEDED, and the stream's sessions are closed. The deadline is
+    paced by this machine: twice what 20 tokens take here, long past the first token and far short of 1900."""
+    stub = mesh.router_stub
+    t0 = time.monotonic()
+    await collect(stub.Generate(router_pb2.GenerateRequest(token_ids=[5, 6, 7], max_new_tokens=20)))
+    timeout = 2 * (time.monotonic() - t0)
+    got = []
     with pytest.raises(grpc.aio.AioRpcError) as err:
-        await collect(mesh.router_stub.Generate(
-            router_pb2.GenerateRequest(token_ids=[5, 6, 7], max_new_tokens=1900), timeout=0.5))
+        async for r in stub.Generate(router_pb2.GenerateRequest(token_ids=[5, 6, 7], max_new_tokens=1900),
+                                     timeout=timeout):
+            got.extend(r.token_ids)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert 0 < len(got) < 1900  # the stream was under way, its sessions open, when the deadline passed
     assert [i.open_sessions for i in await mesh.settled_infos()] == [0, 0]
 
 
@@ -116,7 +128,7 @@ async def test_a_chain_withdrawn_mid_stream_finishes_the_stream_then_closes_its_
         while (response := await call.read()) is not grpc.aio.EOF:
             ids += response.token_ids
         assert ids == hf_greedy(hf_models["llama"], [5, 6, 7], 24)
-        await asyncio.sleep(0.1)
+        await until(lambda: not chain_client._closing, 10, "the closes begun as the stream ended have run")
         assert all(s._channel is None for s in chain.stages)
         gc.collect()
         # The stream's background CloseSession found its channel closed: that is expected, not an error.
@@ -136,6 +148,7 @@ async def test_a_chain_withdrawn_and_published_again_mid_stream_still_counts_the
                                          for i, s in enumerate(chain.stages)), chain.chain_id, chain.fingerprint)
         call = own.router_stub.Generate(router_pb2.GenerateRequest(token_ids=[5, 6, 7], max_new_tokens=24))
         ids = list((await call.read()).token_ids)
+        channels = [s.channel for s in chain.stages]
         own.router.chains.replace([])
         own.router.chains.replace([published])
         assert own.router.chains.chains == [chain] and not chain.withdrawn and chain.in_flight == 1
@@ -143,8 +156,9 @@ async def test_a_chain_withdrawn_and_published_again_mid_stream_still_counts_the
             ids += response.token_ids
         assert ids == hf_greedy(hf_models["llama"], [5, 6, 7], 24)
         assert chain.in_flight == 0
-        await asyncio.sleep(0.1)
-        assert all(s._channel is not None for s in chain.stages)  # a live chain keeps its channels
+        await until(lambda: not chain_client._closing, 10, "the closes begun as the stream ended have run")
+        # A live chain keeps its channels: the same ones (a health check would reopen one closed meanwhile).
+        assert all(s._channel is c for s, c in zip(chain.stages, channels, strict=True))
     finally:
         await own.stop()
 
@@ -170,8 +184,7 @@ async def test_a_draining_stage_lets_its_streams_end_and_takes_no_new_session(ti
                 await calls[i].write(step(f"open{i}", 0, [5, 6, 7 + i]))
                 tokens.append((await calls[i].read()).token_id)
             stopping = asyncio.ensure_future(stage.stop(30))
-            await asyncio.sleep(0.2)
-            assert not stopping.done(), "the stage waits for its open streams"
+            await until(lambda stage=stage: stage.slot.draining, 10, "the stage drains")
             health = await health_pb2_grpc.HealthStub(own.channels[0]).Check(
                 health_pb2.HealthCheckRequest(service=STAGE_SERVICE), timeout=5)
             assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
@@ -181,6 +194,7 @@ async def test_a_draining_stage_lets_its_streams_end_and_takes_no_new_session(ti
             for i, call in enumerate(calls):
                 await call.write(step(f"open{i}", 3, [tokens[i]]))
                 assert (await call.read()).session_id == f"open{i}"
+            assert not stopping.done(), "the stage waits for its open streams"
             for call in calls:
                 call.cancel()
                 await asyncio.sleep(0.001)
