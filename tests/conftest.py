@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -199,3 +200,15 @@ async def collect(stream) -> tuple[list[int], str, list]:
         text += r.text
         responses.append(r)
     return ids, text, responses
+
+
+async def until(condition, timeout: float, what: str, every: float = 0.01) -> float:
+    """Polls condition() until it holds (at most `timeout` seconds); returns when it did."""
+    deadline = time.monotonic() + timeout
+    for _ in range(int(timeout / every) + 1):
+        if condition():
+            return time.monotonic()
+        if time.monotonic() > deadline:
+            break
+        await asyncio.sleep(every)
+    raise AssertionError(f"{what}: not within {timeout}s")

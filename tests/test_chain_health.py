@@ -10,8 +10,7 @@ import asyncio
 from router.chains import ChainSet, parse_chain
 from stagemesh.checkpoint import model_fingerprint
 from stagemesh.link_proxy import LinkProxy
-from tests.conftest import splits, start_mesh
-from tests.test_claims import until
+from tests.conftest import splits, start_mesh, until
 
 
 async def test_a_check_in_flight_when_a_chain_fails_does_not_bring_it_back(tiny_model):

@@ -20,22 +20,9 @@ from stage_server.config import BatcherConfig, StageConfig
 from stage_server.server import StageServer
 from stagemesh.tiny_model import make_tiny_model
 from stagemesh.v1 import router_pb2
-from tests.conftest import collect, hf_greedy, splits, start_mesh, stepped_logits
+from tests.conftest import collect, hf_greedy, splits, start_mesh, stepped_logits, until
 from tests.test_exactness import prompt
 from tests.test_traffic import request
-
-
-async def until(condition, timeout: float, what: str, every: float = 0.01) -> float:
-    """Polls condition() until it holds (at most `timeout` seconds); returns when it did."""
-    deadline = time.monotonic() + timeout
-    for _ in range(int(timeout / every) + 1):
-        if condition():
-            return time.monotonic()
-        if time.monotonic() > deadline:
-            break
-        await asyncio.sleep(every)
-    raise AssertionError(f"{what}: not within {timeout}s")
-
 
 # 1. How a stream ends -----------------------------------------------------------------------------
 

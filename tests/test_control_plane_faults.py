@@ -9,8 +9,7 @@ import logging
 from stagemesh.discovery.backends import open_registry
 from stagemesh.discovery.registry import ServiceRecord, assignment_key, chains_key
 from stagemesh.v1 import router_pb2
-from tests.conftest import collect
-from tests.test_claims import until
+from tests.conftest import collect, until
 from tests.test_scheduler import layouts, plane, wait_for_chains  # noqa: F401 - plane is a fixture
 
 BAD_REGISTRATIONS = {

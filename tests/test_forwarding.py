@@ -21,8 +21,7 @@ from stagemesh import tensor_codec
 from stagemesh.fault_mesh import FaultMesh
 from stagemesh.link_proxy import LinkProxy
 from stagemesh.v1 import router_pb2, stage_pb2
-from tests.conftest import collect, hf_greedy, splits, start_mesh
-from tests.test_claims import until
+from tests.conftest import collect, hf_greedy, splits, start_mesh, until
 from tests.test_exactness import prompt
 from tests.test_fault_suite import _fault
 from tests.test_fault_suite import expected as expected  # the fixture, shared

@@ -9,8 +9,7 @@ from prometheus_client import REGISTRY
 
 from stagemesh import metrics, wire
 from stagemesh.v1 import router_pb2, stage_pb2
-from tests.conftest import collect, splits, start_mesh
-from tests.test_claims import until
+from tests.conftest import collect, splits, start_mesh, until
 
 
 def value(name: str, **labels) -> float:

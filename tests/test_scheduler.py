@@ -19,8 +19,7 @@ from stagemesh import grpc_server
 from stagemesh.checkpoint import ModelFootprint
 from stagemesh.discovery.backends import open_registry
 from stagemesh.v1 import router_pb2, router_pb2_grpc
-from tests.conftest import collect
-from tests.test_claims import until
+from tests.conftest import collect, until
 
 
 class ControlPlane:

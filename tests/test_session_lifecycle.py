@@ -16,8 +16,7 @@ from router.chains import STAGE_SERVICE
 from stagemesh import wire
 from stagemesh.discovery.chain_table import PublishedChain, PublishedStage
 from stagemesh.v1 import router_pb2, stage_pb2
-from tests.conftest import collect, hf_greedy, splits, start_mesh
-from tests.test_claims import until
+from tests.conftest import collect, hf_greedy, splits, start_mesh, until
 
 
 @pytest.fixture(scope="module")

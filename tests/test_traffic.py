@@ -13,19 +13,12 @@ from router.generation import GenerationConfig
 from router.priority_queue import AdmissionConfig, ClassLimits
 from stage_server.config import BatcherConfig
 from stagemesh.v1 import router_pb2
-from tests.conftest import collect, hf_greedy, splits, start_mesh
+from tests.conftest import collect, hf_greedy, splits, start_mesh, until
 from tests.test_exactness import prompt
 
 
 def request(ids: list[int], n: int, **kw) -> router_pb2.GenerateRequest:
     return router_pb2.GenerateRequest(token_ids=ids, max_new_tokens=n, **kw)
-
-
-async def until(condition, timeout: float, what: str, every: float = 0.01) -> float:
-    """The suite's bounded poll, tests.test_claims.until (imported when called: test_claims imports this module)."""
-    from tests.test_claims import until as poll
-
-    return await poll(condition, timeout, what, every)
 
 
 async def test_sixteen_batched_sessions_equal_one_at_a_time(tiny_model, hf_models):
