@@ -250,7 +250,7 @@ def gemv_worker(spec: dict) -> dict:
     nbytes = rows * cols * 4
     methods = {"torch.mv": mv()}  # one matrix at a time: each freed on return
     if device.type == "cpu":
-        from stage_server import cpu_kernels, huge_pages
+        from stagemesh.stage_server.cpu import cpu_kernels, huge_pages
 
         # A stage's packed weights lie on 2 MiB pages (huge_pages.py): a ceiling is the fastest either way.
         methods["torch.mv, 2 MiB pages"] = mv(huge=True)

@@ -37,8 +37,8 @@ def worker(a: argparse.Namespace) -> None:
     import grpc
     from transformers import AutoConfig
 
-    from stage_server.config import StageConfig
     from stagemesh.launcher import start_local_mesh
+    from stagemesh.stage_server.config import StageConfig
     from stagemesh.v1 import router_pb2, router_pb2_grpc
 
     config = AutoConfig.from_pretrained(a.model, local_files_only=True)

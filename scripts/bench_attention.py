@@ -34,7 +34,7 @@ def pool_tensor(shape: tuple[int, ...]):
     import torch
 
     try:
-        from stage_server import huge_pages
+        from stagemesh.stage_server.cpu import huge_pages
     except ImportError:  # trees before huge pages
         return torch.randn(shape)
     return huge_pages.zeros(shape, torch.float32, True).normal_()
@@ -44,7 +44,7 @@ def worker(shapes: list[str], sessions: int, context: int, runs: int) -> dict[st
     """Times this tree's kernel (the checkout on sys.path) on each shape and case."""
     import torch
 
-    from stage_server import paged_attention
+    from stagemesh.stage_server.engine import paged_attention
 
     kernel = paged_attention.load()
     if kernel is None:

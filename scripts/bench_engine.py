@@ -29,12 +29,12 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from stage_server import paged_attention  # noqa: E402
-from stage_server.cuda_graphs import GraphedPasses  # noqa: E402
-from stage_server.kv_pool import KVPool  # noqa: E402
-from stage_server.model import StageModel, StepSlice  # noqa: E402
 from stagemesh import metrics  # noqa: E402
 from stagemesh.checkpoint import ModelArgs  # noqa: E402
+from stagemesh.stage_server.engine import paged_attention  # noqa: E402
+from stagemesh.stage_server.engine.kv_pool import KVPool  # noqa: E402
+from stagemesh.stage_server.engine.model import StageModel, StepSlice  # noqa: E402
+from stagemesh.stage_server.gpu.cuda_graphs import GraphedPasses  # noqa: E402
 
 SHAPES = {
     # TinyLlama-1.1B

@@ -13,9 +13,9 @@
 2. Tiny Llama (hidden 256, 8 layers), a 2-stage chain of 1-thread stage processes driven through the router's
    Generate stream (bench.py's start_local_mesh and mesh_decode), against transformers' generate() in one
    process on 1 thread: decode ms/token and the ratio; with --compile off and on (--compile: each stage's decode
-   passes as one compiled graph, stage_server/compiled.py; its compilation shows in the cold start); --also-with
+   passes as one compiled graph, stage_server/engine/compiled.py; its compilation shows in the cold start); --also-with
    adds the chain once more with these stage flags (a side-by-side A/B).
-3. A per-step breakdown of each stage of that chain (stage_server/step_timing.py: the stage's own phase timers,
+3. A per-step breakdown of each stage of that chain (stage_server/engine/step_timing.py: the stage's own phase timers,
    read from Stage/Info before and after the decode runs): wire decode, batch assembly, model, sampling,
    encode; what the token costs beyond both stages' phases is gRPC, event loops, the router and the hops.
 4. ~270M Llama: one- and two-thread memory-bandwidth ceilings (a float32 GEMV over a matrix the size of the
@@ -48,7 +48,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from scripts import bench  # noqa: E402  (its helpers: workers, workload, mesh calls)
-from stage_server.step_timing import PHASES  # noqa: E402
+from stagemesh.stage_server.engine.step_timing import PHASES  # noqa: E402
 
 WIRE_SHAPES = ((1, 256), (1, 1024), (256, 1024))  # a decode step's hidden state at both sizes; a prefill chunk
 

@@ -23,12 +23,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from scripts.measure_memory import ensure_medium_model  # noqa: E402
-from stage_server.kv_pool import KVPool  # noqa: E402
-from stage_server.loader import load_stage  # noqa: E402
-from stage_server.model import StepSlice  # noqa: E402
-from stage_server.quantize import quantize  # noqa: E402
 from stagemesh import tensor_codec  # noqa: E402
 from stagemesh.launcher import ensure_tiny_model, start_local_mesh  # noqa: E402
+from stagemesh.stage_server.engine.kv_pool import KVPool  # noqa: E402
+from stagemesh.stage_server.engine.loader import load_stage  # noqa: E402
+from stagemesh.stage_server.engine.model import StepSlice  # noqa: E402
+from stagemesh.stage_server.engine.quantize import quantize  # noqa: E402
 from stagemesh.v1 import router_pb2, router_pb2_grpc  # noqa: E402
 
 # name: (stage dtype, quantize, wire dtype between the two stages)

@@ -6,7 +6,7 @@ milliseconds per pass of M rows over every Linear of `--layers` decoder layers (
 
 Arms: torch's F.linear over the weight laid out column-major (what a stage with --no-packed-weights holds:
 MKL), oneDNN's matmul over a copy reordered into its blocked layout (what inductor's CPU freezing uses), and
-stagemesh::packed_linear over panels (what a stage holds by default, stage_server/packed_weights.py). Each
+stagemesh::packed_linear over panels (what a stage holds by default, stage_server/cpu/packed_weights.py). Each
 arm's outputs are checked against float64 before timing.
 """
 
@@ -34,7 +34,7 @@ def main() -> None:
     import torch
     import torch.nn.functional as F
 
-    from stage_server import cpu_kernels, packed_weights
+    from stagemesh.stage_server.cpu import cpu_kernels, packed_weights
 
     torch.set_num_threads(args.threads)
     if not cpu_kernels.load():

@@ -3,7 +3,7 @@
     python scripts/bench_network.py [--stages 2,4] [--delays-ms 0,1,5,20] [--tokens 24] [--repeats 5]
 
 A chain of N stage processes (the tiny model, one thread each), each behind a link proxy
-(stagemesh/link_proxy.py) that holds every chunk D ms each way. The router dials the proxies, and so do
+(tests/harness/link_proxy.py) that holds every chunk D ms each way. The router dials the proxies, and so do
 the stages (a stage is told its next stage's address as the router knows it): every link of the data
 path is delayed, stage to stage and last stage to router included. Two routers on the same chain, one in
 relay mode (--no-forwarding), one forwarding (the default), take turns. Per setting: the median inter-token gap of one
@@ -31,9 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from stagemesh import grpc_server  # noqa: E402
 from stagemesh.launcher import ensure_tiny_model, even_split, stage_env, wait_for_chains  # noqa: E402
-from stagemesh.link_proxy import LinkProxy  # noqa: E402
 from stagemesh.processes import LocalMesh  # noqa: E402
 from stagemesh.v1 import router_pb2, router_pb2_grpc  # noqa: E402
+from tests.harness.link_proxy import LinkProxy  # noqa: E402
 
 MODES = ("relay", "forwarding")
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]

@@ -15,7 +15,7 @@ the decode attentions to time side by side (kernel: the paged attention kernel, 
 trees before the kernel have only the gather). --weights names weight layouts to time side by side, a copy of
 the model each, passes alternated: torch (as loaded), panels (packed Linears, each RMSNorm apart), packed (as a
 CPU float32 stage holds them: panels, each RMSNorm inside the Linear after it), layers (packed, and each layer of a
-decode pass in one call, as a CPU float32 stage runs it by default: stage_server/decode_layers.py; it needs the
+decode pass in one call, as a CPU float32 stage runs it by default: stage_server/cpu/decode_layers.py; it needs the
 attention kernel, --attention kernel).
 """
 
@@ -42,7 +42,7 @@ def main() -> None:
     p.add_argument("--passes", type=int, default=30)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--pack", action="store_true", help="pack the Linear weights as a CPU float32 stage does "
-                   "(stage_server/packed_weights.py; default: torch's layout, as trees before it have)")
+                   "(stage_server/cpu/packed_weights.py; default: torch's layout, as trees before it have)")
     p.add_argument("--attention", default="", help="kernel,gather: time each, passes alternated (default: the tree's)")
     p.add_argument("--weights", default="", help="torch,panels,packed,layers: time each layout, passes alternated "
                    "(default: --pack's)")
@@ -51,9 +51,9 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
 
-    from stage_server.kv_pool import KVPool
-    from stage_server.loader import load_stage
-    from stage_server.model import StepSlice
+    from stagemesh.stage_server.engine.kv_pool import KVPool
+    from stagemesh.stage_server.engine.loader import load_stage
+    from stagemesh.stage_server.engine.model import StepSlice
 
     torch.set_num_threads(args.threads)
     model_dir = args.model or str(ROOT / "models" / ("llama-270m" if args.medium else "tiny-llama"))
@@ -61,7 +61,7 @@ def main() -> None:
     models = {layout: load_stage(model_dir, 0, None) for layout in layouts}
     for layout, model in models.items():
         if layout in ("panels", "packed", "layers"):
-            from stage_server import packed_weights
+            from stagemesh.stage_server.cpu import packed_weights
 
             if why := packed_weights.available(model):  # builds or loads the kernels
                 raise SystemExit(f"no packed weights here: {why}")
@@ -70,7 +70,8 @@ def main() -> None:
             else:
                 packed_weights.pack(model)
         if layout == "layers":
-            from stage_server import decode_layers, paged_attention
+            from stagemesh.stage_server.cpu import decode_layers
+            from stagemesh.stage_server.engine import paged_attention
 
             if args.attention != "kernel":  # the layer calls the kernel: the other arms must attend by it too
                 raise SystemExit("--weights ...,layers needs --attention kernel")
@@ -81,7 +82,7 @@ def main() -> None:
     a = model.args
     attentions = {"": getattr(model, "decode_attention", None)}
     if args.attention:
-        from stage_server import paged_attention
+        from stagemesh.stage_server.engine import paged_attention
 
         kinds = {"kernel": paged_attention.load(), "gather": None}
         attentions = {name: kinds[name] for name in args.attention.split(",")}

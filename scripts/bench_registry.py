@@ -22,10 +22,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from registry.service import start_registry_server
 from stagemesh.discovery.backends import open_registry
 from stagemesh.discovery.registry import ServiceRecord, chains_key
-from stagemesh.etcd_cluster import EtcdCluster
+from stagemesh.registry.service import start_registry_server
+from tests.harness.etcd_cluster import EtcdCluster
 
 MODEL = "bench/model"
 

@@ -4,7 +4,7 @@ prefix on another chain, side by side in one run.
     python scripts/bench_repair.py [--modes relay,forwarding] [--prefixes 64,512,2048] [--repeats 5] [--threads 1]
 
 Two chains of three stage processes with the same layer ranges (a tiny random Llama made for the run, 8
-layers, context 4096), each stage behind a link proxy (stagemesh/link_proxy.py). The benchmark drives
+layers, context 4096), each stage behind a link proxy (tests/harness/link_proxy.py). The benchmark drives
 the router's own session code (router.chain_client, router.repair) on chain A: a prefix of P tokens, 4
 decode steps, then the link to A's middle stage is cut (its connections reset, new ones refused: what a
 SIGKILLed stage looks like to the router) and the clock starts. The next step fails there, and then
@@ -39,13 +39,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import grpc  # noqa: E402
 import torch  # noqa: E402
 
-from router import repair  # noqa: E402
-from router.chain_client import Chain, ChainSession, StageEndpoint  # noqa: E402
-from router.forwarding import ForwardingSession  # noqa: E402
-from router.step_values import Sampling  # noqa: E402
-from stagemesh.fault_mesh import FaultMesh  # noqa: E402
+from stagemesh.router import repair  # noqa: E402
+from stagemesh.router.chain_client import Chain, ChainSession, StageEndpoint  # noqa: E402
+from stagemesh.router.forwarding import ForwardingSession  # noqa: E402
+from stagemesh.router.step_values import Sampling  # noqa: E402
 from stagemesh.tiny_model import make_tiny_model  # noqa: E402
 from stagemesh.v1 import stage_pb2  # noqa: E402
+from tests.harness.fault_mesh import FaultMesh  # noqa: E402
 
 MODES = ("repair", "replay")
 CHUNK = 256

@@ -43,9 +43,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from stagemesh import grpc_server  # noqa: E402
 from stagemesh.checkpoint import model_fingerprint, serving_fingerprint  # noqa: E402
-from stagemesh.fault_mesh import free_port  # noqa: E402
 from stagemesh.launcher import READY, ensure_tiny_model, even_split, stage_env, wait_for_chains  # noqa: E402
 from stagemesh.v1 import router_pb2, router_pb2_grpc, stage_pb2, stage_pb2_grpc, tensor_pb2  # noqa: E402
+from tests.harness.fault_mesh import free_port  # noqa: E402
 
 TURNAROUND_METRIC = "stagemesh_router_token_turnaround_seconds_bucket"
 

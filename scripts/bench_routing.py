@@ -34,11 +34,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import grpc  # noqa: E402
 
 from stagemesh import grpc_server  # noqa: E402
-from stagemesh.fault_mesh import free_port  # noqa: E402
 from stagemesh.launcher import stage_env, wait_for_chains  # noqa: E402
 from stagemesh.processes import LocalMesh  # noqa: E402
 from stagemesh.tiny_model import make_tiny_model  # noqa: E402
 from stagemesh.v1 import router_pb2, router_pb2_grpc  # noqa: E402
+from tests.harness.fault_mesh import free_port  # noqa: E402
 
 MODES = ("rule", "no rule")
 CLASSES = ("short", "long")

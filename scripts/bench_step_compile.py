@@ -1,6 +1,6 @@
-"""Issue 15's whole-step compile in process: stage_server/decode_graph.py's decode pass (every layer, K/V writes
+"""Issue 15's whole-step compile in process: stage_server/engine/decode_graph.py's decode pass (every layer, K/V writes
 into the paged pool and attention over it) compiled with variants of torch.compile's options, timed against the
-eager pass. The stage's --compile uses c_keept (stage_server/compiled.py).
+eager pass. The stage's --compile uses c_keept (stage_server/engine/compiled.py).
 
     python scripts/bench_step_compile.py [--model DIR] [--end 4] [--sizes 1] [--variants eager,c,c_keept,c_cpp]
     python scripts/bench_step_compile.py --device cuda --dtype bfloat16 --model DIR --end 11 --sizes 1,32,64 \
@@ -11,8 +11,9 @@ CompiledDecode: c_keept plus the block tables and positions made per pass), c (t
 (guard_filter_fn=skip_guard_on_all_nn_modules_unsafe), c_keept (keep_tensor_guards_unsafe), a "cpp" in the name
 adds cpp_wrapper, a "static" static shapes (a graph per batch size and per power-of-two bucket of key blocks,
 NULL_BLOCK padding) instead of dynamic batch size and key length; graphs is a CUDA stage's default
-(stage_server/cuda_graphs.py: the pass replayed from a CUDA graph per padded bucket, through StageModel.forward, with
-the Triton attention kernel; on CUDA only). On CUDA every pass is timed to its end (synchronized).
+(stage_server/gpu/cuda_graphs.py: the pass replayed from a CUDA graph per padded bucket, through
+StageModel.forward, with the Triton attention kernel; on CUDA only). On CUDA every pass is timed to its end
+(synchronized).
 """
 
 from __future__ import annotations
@@ -30,13 +31,13 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.compiler as tc  # noqa: E402
 
-from stage_server import paged_attention  # noqa: E402
-from stage_server.compiled import CompiledDecode  # noqa: E402
-from stage_server.cuda_graphs import GraphedPasses  # noqa: E402
-from stage_server.decode_graph import decode_pass_fn, key_blocks  # noqa: E402
-from stage_server.kv_pool import KVPool  # noqa: E402
-from stage_server.loader import load_stage  # noqa: E402
-from stage_server.model import StageModel, StepSlice  # noqa: E402
+from stagemesh.stage_server.engine import paged_attention  # noqa: E402
+from stagemesh.stage_server.engine.compiled import CompiledDecode  # noqa: E402
+from stagemesh.stage_server.engine.decode_graph import decode_pass_fn, key_blocks  # noqa: E402
+from stagemesh.stage_server.engine.kv_pool import KVPool  # noqa: E402
+from stagemesh.stage_server.engine.loader import load_stage  # noqa: E402
+from stagemesh.stage_server.engine.model import StageModel, StepSlice  # noqa: E402
+from stagemesh.stage_server.gpu.cuda_graphs import GraphedPasses  # noqa: E402
 
 
 def compiled_variant(fn, name: str):

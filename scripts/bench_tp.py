@@ -25,10 +25,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from router.chain_client import Chain, ChainSession, Progress, StageEndpoint  # noqa: E402
-from router.step_values import Sampling  # noqa: E402
 from scripts.measure_memory import ensure_medium_model  # noqa: E402
 from stagemesh.launcher import LocalMesh, ensure_tiny_model, stage_env  # noqa: E402
+from stagemesh.router.chain_client import Chain, ChainSession, Progress, StageEndpoint  # noqa: E402
+from stagemesh.router.step_values import Sampling  # noqa: E402
 
 FIRST_ORDINARY_ID = 4
 

@@ -32,9 +32,9 @@ import grpc  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from stagemesh import grpc_server  # noqa: E402
-from stagemesh.fault_mesh import FAULTS, FaultMesh  # noqa: E402
 from stagemesh.tiny_model import make_tiny_model  # noqa: E402
 from stagemesh.v1 import router_pb2, router_pb2_grpc  # noqa: E402
+from tests.harness.fault_mesh import FAULTS, FaultMesh  # noqa: E402
 
 FAULT_HELD_S = 8.0
 

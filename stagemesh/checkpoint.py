@@ -27,7 +27,7 @@ _CHECKPOINT_DTYPES = {"float32": "float32", "float": "float32", "bfloat16": "bfl
 Quantization = Literal["none", "int8", "int8-weight-only", "fp8"]
 """int8: Linear weights in int8 (int8 kernels on CPU float32, weight-only elsewhere); int8-weight-only:
 int8 weights, activations in the model's dtype, on any device; fp8: float8_e4m3 weights and FP8 matrix products
-(Hopper; stage_server/quantize.py). Either way a Linear weight weighs one byte plus a scale per row."""
+(Hopper; stage_server/engine/quantize.py). Either way a Linear weight weighs one byte plus a scale per row."""
 QUANTIZE = get_args(Quantization)
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 

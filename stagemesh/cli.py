@@ -13,20 +13,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from registry.config import RegistryConfig
-from registry.service import serve_registry, start_registry_server
-from router.server import RouterConfig
-from router.server import serve as serve_router
-from scheduler.scheduler import SchedulerConfig
-from scheduler.server import PlanConfig, print_plan, serve_scheduler
-from stage_server.config import StageConfig
 from stagemesh import launcher, tls
 from stagemesh.certs import CertsConfig, run_certs
 from stagemesh.config_flags import add_flags, from_args
 from stagemesh.launcher import UpConfig
 from stagemesh.log import setup_logging
 from stagemesh.processes import PARENT_PID_ENV
+from stagemesh.registry.config import RegistryConfig
+from stagemesh.registry.service import serve_registry, start_registry_server
 from stagemesh.rolling import RollConfig, run_roll
+from stagemesh.router.server import RouterConfig
+from stagemesh.router.server import serve as serve_router
+from stagemesh.scheduler.scheduler import SchedulerConfig
+from stagemesh.scheduler.server import PlanConfig, print_plan, serve_scheduler
+from stagemesh.stage_server.config import StageConfig
 from stagemesh.tracing import setup_tracing
 
 
@@ -42,7 +42,7 @@ def _run(coro) -> None:
 def run_stage(config: StageConfig) -> None:
     # Imported here, not above: the stage's torch and transformers are ~4 s of a process's start, which the
     # router, scheduler and registry processes (this same command) must not pay. test_layout holds them to it.
-    from stage_server.main import serve as serve_stage
+    from stagemesh.stage_server.main import serve as serve_stage
 
     setup_tracing("stagemesh-stage", config.tracing.otlp_endpoint)
     _run(serve_stage(config))

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import grpc
 
-from router.generation import GenerationConfig
-from stage_server.config import BatcherConfig
 from stagemesh.checkpoint import DtypeChoice, ModelFootprint, Quantization, read_config, serving_dtype
 from stagemesh.config_flags import PORT_RULE, refused
 from stagemesh.processes import READY, LocalMesh, Process
+from stagemesh.router.generation import GenerationConfig
+from stagemesh.stage_server.config import BatcherConfig
 from stagemesh.supervisor import RestartPolicy, Supervisor
 from stagemesh.tiny_model import make_tiny_model
 from stagemesh.tls import load as load_tls

@@ -61,7 +61,7 @@ WIRE_BYTES = Counter("stagemesh_stage_wire_bytes_total", "Bytes of Forward messa
 STEP_PHASE_SECONDS = Histogram(
     "stagemesh_stage_step_phase_seconds",
     "Time of one step (or pass) in each phase: wire_decode, assemble, model, sample, encode "
-    "(stage_server/step_timing.py)", ["phase"],
+    "(stage_server/engine/step_timing.py)", ["phase"],
     buckets=(0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 1))
 EAGER_PASSES = Counter("stagemesh_stage_eager_passes_total",
                        "Passes of a CUDA stage with graphs that ran eager, by why: no bucket (too_many_tokens, "

@@ -16,14 +16,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 torch.set_num_threads(2)
 
-from router.chain_client import Chain, ChainSession, StageEndpoint  # noqa: E402
-from router.server import RouterConfig, RouterServer  # noqa: E402
-from router.step_values import Sampling  # noqa: E402
-from stage_server.config import StageConfig  # noqa: E402
-from stage_server.kv_pool import KVPool, SessionCache  # noqa: E402
-from stage_server.model import StageModel, StepSlice  # noqa: E402
-from stage_server.server import StageServer  # noqa: E402
 from stagemesh import grpc_server, tensor_codec  # noqa: E402
+from stagemesh.router.chain_client import Chain, ChainSession, StageEndpoint  # noqa: E402
+from stagemesh.router.server import RouterConfig, RouterServer  # noqa: E402
+from stagemesh.router.step_values import Sampling  # noqa: E402
+from stagemesh.stage_server.config import StageConfig  # noqa: E402
+from stagemesh.stage_server.engine.kv_pool import KVPool, SessionCache  # noqa: E402
+from stagemesh.stage_server.engine.model import StageModel, StepSlice  # noqa: E402
+from stagemesh.stage_server.server import StageServer  # noqa: E402
 from stagemesh.tiny_model import make_tiny_model  # noqa: E402
 from stagemesh.v1 import router_pb2_grpc, stage_pb2, stage_pb2_grpc  # noqa: E402
 

@@ -17,13 +17,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from prometheus_client import REGISTRY, generate_latest
 
-from router.auth import TokenBucket, parse_tokens
 from stagemesh import grpc_server
-from stagemesh.fault_mesh import free_port
 from stagemesh.launcher import LocalMesh, stage_env
 from stagemesh.log import JsonFormatter
+from stagemesh.router.auth import TokenBucket, parse_tokens
 from stagemesh.v1 import router_pb2, router_pb2_grpc
 from tests.conftest import collect, hf_greedy, splits, start_mesh
+from tests.harness.fault_mesh import free_port
 
 BILLING = "billing-0123456789abcdef-secret"
 OPS = "ops-0123456789abcdef-secret-token"

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import asyncio
 
-from router.chains import ChainSet, parse_chain
 from stagemesh.checkpoint import model_fingerprint
-from stagemesh.link_proxy import LinkProxy
+from stagemesh.router.chains import ChainSet, parse_chain
 from tests.conftest import splits, start_mesh, until
+from tests.harness.link_proxy import LinkProxy
 
 
 async def test_a_check_in_flight_when_a_chain_fails_does_not_bring_it_back(tiny_model):

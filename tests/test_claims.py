@@ -14,10 +14,10 @@ import prometheus_client
 import pytest
 import torch
 
-from router.generation import GenerationConfig
-from router.priority_queue import AdmissionConfig, ClassLimits, PriorityAdmission
-from stage_server.config import BatcherConfig, StageConfig
-from stage_server.server import StageServer
+from stagemesh.router.generation import GenerationConfig
+from stagemesh.router.priority_queue import AdmissionConfig, ClassLimits, PriorityAdmission
+from stagemesh.stage_server.config import BatcherConfig, StageConfig
+from stagemesh.stage_server.server import StageServer
 from stagemesh.tiny_model import make_tiny_model
 from stagemesh.v1 import router_pb2
 from tests.conftest import collect, hf_greedy, splits, start_mesh, stepped_logits, until

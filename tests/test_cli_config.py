@@ -9,15 +9,15 @@ import typing
 
 import pytest
 
-from router.generation import GenerationConfig
-from router.priority_queue import AdmissionConfig, ClassLimits
-from router.server import RouterConfig
-from scheduler.placement import PlacementConfig
-from scheduler.scheduler import SchedulerConfig
-from stage_server.config import BatcherConfig, StageConfig
 from stagemesh import cli
 from stagemesh.config_flags import from_args
 from stagemesh.launcher import UpConfig
+from stagemesh.router.generation import GenerationConfig
+from stagemesh.router.priority_queue import AdmissionConfig, ClassLimits
+from stagemesh.router.server import RouterConfig
+from stagemesh.scheduler.placement import PlacementConfig
+from stagemesh.scheduler.scheduler import SchedulerConfig
+from stagemesh.stage_server.config import BatcherConfig, StageConfig
 
 COMPOSITION_FLAGS = {
     "--log-level": "on `stagemesh` itself, before the subcommand: every process's logging, set up before its "

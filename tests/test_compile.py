@@ -1,4 +1,4 @@
-"""--compile: a stage's decode passes run as one compiled graph (stage_server/compiled.py) and stay exact:
+"""--compile: a stage's decode passes run as one compiled graph (stage_server/engine/compiled.py) and stay exact:
 greedy tokens identical to transformers and logits within 1e-4 in float32, for Llama, Mistral with a sliding
 window and Qwen2 (biases), a whole model in one stage and a 2-stage split; batched decode passes of sessions of
 different lengths; no recompilation once warmed up; a compilation that fails leaves the stage serving eager.
@@ -13,12 +13,13 @@ import torch
 import torch._inductor.config as inductor_config
 from transformers import AutoModelForCausalLM
 
-from stage_server import cpu_kernels, packed_weights, paged_attention
-from stage_server import server as server_module
-from stage_server.compiled import compile_stage, compiled_graphs, is_compiled, warm_up_decode
-from stage_server.config import StageConfig
-from stage_server.kv_pool import KVPool
-from stage_server.loader import load_stage
+from stagemesh.stage_server import server as server_module
+from stagemesh.stage_server.config import StageConfig
+from stagemesh.stage_server.cpu import cpu_kernels, packed_weights
+from stagemesh.stage_server.engine import paged_attention
+from stagemesh.stage_server.engine.compiled import compile_stage, compiled_graphs, is_compiled, warm_up_decode
+from stagemesh.stage_server.engine.kv_pool import KVPool
+from stagemesh.stage_server.engine.loader import load_stage
 from stagemesh.tiny_model import make_tiny_model
 from stagemesh.v1 import router_pb2
 from tests.conftest import collect, decode_passes_match_transformers, hf_greedy, splits, start_mesh, stepped_logits

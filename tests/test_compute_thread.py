@@ -9,11 +9,11 @@ import threading
 
 import torch
 
-from router.server import RouterConfig, RouterServer
-from stage_server import server as server_module
-from stage_server.config import BatcherConfig, StageConfig
-from stage_server.model import StageModel
-from stage_server.server import StageServer
+from stagemesh.router.server import RouterConfig, RouterServer
+from stagemesh.stage_server import server as server_module
+from stagemesh.stage_server.config import BatcherConfig, StageConfig
+from stagemesh.stage_server.engine.model import StageModel
+from stagemesh.stage_server.server import StageServer
 from tests.conftest import Mesh, collect
 from tests.test_exactness import prompt
 from tests.test_traffic import request

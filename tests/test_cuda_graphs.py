@@ -1,5 +1,5 @@
 """CUDA graphs for every pass, the memory plan that sizes the KV pool around them, and --max-model-len
-(stage_server/cuda_graphs.py, stage_server/memory_plan.py).
+(stage_server/gpu/cuda_graphs.py, stage_server/engine/memory_plan.py).
 
 What a machine without a GPU can check here: the buckets, the memory arithmetic and its refusal, that graphs need
 the ragged attention kernel, that a CPU stage serves eager, and --max-model-len's bound on sessions. The padded
@@ -11,11 +11,11 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from stage_server.config import StageConfig
-from stage_server.cuda_graphs import GraphedPasses, bucket, powers_of_two
-from stage_server.kv_pool import KVPool
-from stage_server.loader import load_stage
-from stage_server.memory_plan import NoRoomForPool, gpu_pool_bytes
+from stagemesh.stage_server.config import StageConfig
+from stagemesh.stage_server.engine.kv_pool import KVPool
+from stagemesh.stage_server.engine.loader import load_stage
+from stagemesh.stage_server.engine.memory_plan import NoRoomForPool, gpu_pool_bytes
+from stagemesh.stage_server.gpu.cuda_graphs import GraphedPasses, bucket, powers_of_two
 from stagemesh.v1 import router_pb2, stage_pb2
 from tests.conftest import collect, hf_greedy, splits, start_mesh
 from tests.test_exactness import prompt

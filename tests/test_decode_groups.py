@@ -11,11 +11,11 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from stage_server.batcher import StepBatcher, StepRequest
-from stage_server.config import BatcherConfig
-from stage_server.kv_pool import KVPool
-from stage_server.loader import load_stage
-from stage_server.sessions import SessionTable
+from stagemesh.stage_server.config import BatcherConfig
+from stagemesh.stage_server.engine.batcher import StepBatcher, StepRequest
+from stagemesh.stage_server.engine.kv_pool import KVPool
+from stagemesh.stage_server.engine.loader import load_stage
+from stagemesh.stage_server.service.sessions import SessionTable
 from stagemesh.v1 import stage_pb2
 from tests.conftest import collect, hf_greedy, splits, start_mesh
 from tests.test_exactness import prompt

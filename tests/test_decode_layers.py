@@ -1,4 +1,4 @@
-"""A decode pass's decoder layers in one call (on by default on the CPU in float32: stage_server/decode_layers.py,
+"""A decode pass's decoder layers in one call (on by default on the CPU in float32: stage_server/cpu/decode_layers.py,
 decode_layers.cpp). Exact as before: every decode pass's logits within 1e-4 of transformers and greedy tokens the
 same, for every family (qwen2's q/k/v biases, a sliding window), in one stage and split; the layers' output within
 float32 rounding of the layers op by op, and the K/V the first writes bit for bit theirs; prefill chunks and mixed
@@ -12,10 +12,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from stage_server import cpu_kernels, decode_layers, packed_weights, paged_attention
-from stage_server.kv_pool import KVPool
-from stage_server.loader import load_stage
-from stage_server.model import StepSlice
+from stagemesh.stage_server.cpu import cpu_kernels, decode_layers, packed_weights
+from stagemesh.stage_server.engine import paged_attention
+from stagemesh.stage_server.engine.kv_pool import KVPool
+from stagemesh.stage_server.engine.loader import load_stage
+from stagemesh.stage_server.engine.model import StepSlice
 from stagemesh.tiny_model import make_tiny_model
 from stagemesh.v1 import router_pb2
 from tests.conftest import collect, decode_passes_match_transformers, hf_greedy, splits, start_mesh

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from router.chain_client import Chain, ChainSession, StageEndpoint
-from router.step_values import Sampling
 from stagemesh import tensor_codec
+from stagemesh.router.chain_client import Chain, ChainSession, StageEndpoint
+from stagemesh.router.step_values import Sampling
 from stagemesh.v1 import router_pb2
 from tests.conftest import collect, start_mesh
 from tests.test_exactness import prompt

@@ -14,11 +14,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from stage_server.server import SERVICE_NAME as STAGE_SERVICE
-from stagemesh.fault_mesh import free_ports
 from stagemesh.launcher import start_local_mesh, wait_for_chains
+from stagemesh.stage_server.server import SERVICE_NAME as STAGE_SERVICE
 from stagemesh.v1 import router_pb2, router_pb2_grpc, stage_pb2, stage_pb2_grpc
 from tests.conftest import hf_greedy
+from tests.harness.fault_mesh import free_ports
 
 DRAIN_S = 60.0
 """Far more than the streams need (~3 s here), so that on a slow machine the drain still lets them finish; a

@@ -7,12 +7,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from scheduler.scheduler import Scheduler, SchedulerConfig
-from stage_server.config import StageConfig
-from stage_server.server import StageServer
 from stagemesh.checkpoint import ModelFootprint, serving_dtype
 from stagemesh.discovery.backends import open_registry
 from stagemesh.discovery.registry import ServiceRecord, ServiceStatus
+from stagemesh.scheduler.scheduler import Scheduler, SchedulerConfig
+from stagemesh.stage_server.config import StageConfig
+from stagemesh.stage_server.server import StageServer
 from stagemesh.tiny_model import make_tiny_model
 from stagemesh.v1 import stage_pb2
 from tests.conftest import collect, hf_greedy, start_mesh

@@ -13,7 +13,7 @@ from stagemesh import tls
 from stagemesh.certs import CertsConfig, make_certs
 from stagemesh.discovery.backends import etcd_target, open_registry
 from stagemesh.discovery.registry import RegistryError, chains_key
-from stagemesh.etcd_cluster import EtcdCluster
+from tests.harness.etcd_cluster import EtcdCluster
 
 
 @pytest.fixture(scope="module")

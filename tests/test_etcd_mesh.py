@@ -12,15 +12,15 @@ import time
 import grpc
 import pytest
 
-from scheduler.scheduler import Scheduler
-from scheduler.server import print_plan
 from stagemesh.discovery.backends import open_registry
 from stagemesh.discovery.chain_table import decode_chains, published_plan
 from stagemesh.discovery.registry import chains_key, leader_key
-from stagemesh.etcd_cluster import EtcdCluster
 from stagemesh.launcher import start_local_mesh, wait_for_chains
+from stagemesh.scheduler.scheduler import Scheduler
+from stagemesh.scheduler.server import print_plan
 from stagemesh.v1 import router_pb2, router_pb2_grpc
 from tests.conftest import collect
+from tests.harness.etcd_cluster import EtcdCluster
 from tests.test_scheduler import ControlPlane, layouts
 from tests.test_scheduler import wait_for_chains as wait_for_router_chains
 

@@ -7,9 +7,9 @@ import asyncio
 import pytest
 import torch
 
-from router.chain_client import Chain, ChainSession, StageEndpoint
-from router.step_values import Sampling
 from stagemesh import tensor_codec
+from stagemesh.router.chain_client import Chain, ChainSession, StageEndpoint
+from stagemesh.router.step_values import Sampling
 from stagemesh.v1 import router_pb2
 from tests.conftest import FAMILIES, collect, hf_greedy, splits, start_mesh, stepped_logits
 

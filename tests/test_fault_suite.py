@@ -18,10 +18,10 @@ from stagemesh import grpc_server
 from stagemesh.discovery.backends import open_registry
 from stagemesh.discovery.chain_table import decode_chains
 from stagemesh.discovery.registry import RegistryError, chains_key
-from stagemesh.fault_mesh import FaultMesh
 from stagemesh.launcher import stage_env, start_local_mesh
 from stagemesh.v1 import router_pb2, router_pb2_grpc, stage_pb2, stage_pb2_grpc
 from tests.conftest import hf_greedy
+from tests.harness.fault_mesh import FaultMesh
 from tests.test_exactness import prompt
 
 STREAMS = 4

@@ -12,16 +12,16 @@ import grpc
 import pytest
 import torch
 
-from router.chain_client import Chain, ChainSession, StageEndpoint
-from router.forwarding import ForwardingSession
-from router.generation import GenerationConfig
-from router.step_values import Sampling
-from stage_server.config import BatcherConfig
 from stagemesh import tensor_codec
-from stagemesh.fault_mesh import FaultMesh
-from stagemesh.link_proxy import LinkProxy
+from stagemesh.router.chain_client import Chain, ChainSession, StageEndpoint
+from stagemesh.router.forwarding import ForwardingSession
+from stagemesh.router.generation import GenerationConfig
+from stagemesh.router.step_values import Sampling
+from stagemesh.stage_server.config import BatcherConfig
 from stagemesh.v1 import router_pb2, stage_pb2
 from tests.conftest import collect, hf_greedy, splits, start_mesh, until
+from tests.harness.fault_mesh import FaultMesh
+from tests.harness.link_proxy import LinkProxy
 from tests.test_exactness import prompt
 from tests.test_fault_suite import _fault
 from tests.test_fault_suite import expected as expected  # the fixture, shared

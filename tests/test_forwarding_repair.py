@@ -11,11 +11,11 @@ import logging
 import grpc
 import pytest
 
-from router import repair
-from router.chain_client import Chain, StageEndpoint
-from router.forwarding import ForwardingSession
-from router.step_values import Sampling
 from stagemesh import tensor_codec
+from stagemesh.router import repair
+from stagemesh.router.chain_client import Chain, StageEndpoint
+from stagemesh.router.forwarding import ForwardingSession
+from stagemesh.router.step_values import Sampling
 from stagemesh.v1 import router_pb2
 from tests.conftest import hf_greedy, splits, start_mesh
 from tests.test_exactness import prompt

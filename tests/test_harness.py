@@ -8,14 +8,14 @@ import sys
 import textwrap
 from pathlib import Path
 
-from stagemesh.fault_mesh import free_ports
+from tests.harness.fault_mesh import free_ports
 
 ROOT = Path(__file__).resolve().parent.parent
 
 PROBE = textwrap.dedent('''
     import pytest
 
-    from stage_server import server as server_module
+    from stagemesh.stage_server import server as server_module
     from tests.conftest import splits, start_mesh
 
 

@@ -1,5 +1,6 @@
 """The memory a stage streams every step, its packed weights and its KV pool, lies on 2 MiB pages where the
-kernel offers transparent huge pages (stage_server/huge_pages.py), zeroed like torch.zeros, and keeps results exact."""
+kernel offers transparent huge pages (stage_server/cpu/huge_pages.py), zeroed like torch.zeros, and keeps results
+exact."""
 
 from __future__ import annotations
 
@@ -9,11 +10,11 @@ import psutil
 import pytest
 import torch
 
-from router.server import RouterConfig, RouterServer
-from stage_server import cpu_kernels, huge_pages, packed_weights
-from stage_server.config import StageConfig
-from stage_server.kv_pool import KVPool
-from stage_server.server import StageServer
+from stagemesh.router.server import RouterConfig, RouterServer
+from stagemesh.stage_server.config import StageConfig
+from stagemesh.stage_server.cpu import cpu_kernels, huge_pages, packed_weights
+from stagemesh.stage_server.engine.kv_pool import KVPool
+from stagemesh.stage_server.server import StageServer
 from tests.conftest import Mesh, collect, hf_greedy
 from tests.test_traffic import request
 

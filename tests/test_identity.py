@@ -14,18 +14,18 @@ import grpc
 import pytest
 import torch
 
-from router.chain_client import Chain, ChainSession, StageEndpoint
-from router.server import RouterConfig, RouterServer
-from scheduler import placement
-from scheduler.server import print_plan
-from stage_server.config import BatcherConfig, StageConfig, max_step_bytes, split_host_port
-from stage_server.registration import Registration, RegistrationConfig
-from stage_server.server import StageServer
 from stagemesh import grpc_server, tensor_codec, wire
 from stagemesh.checkpoint import ModelFootprint, model_fingerprint, serving_fingerprint, weight_files
 from stagemesh.discovery.backends import open_registry
 from stagemesh.discovery.chain_table import decode_chains
 from stagemesh.discovery.registry import chains_key
+from stagemesh.router.chain_client import Chain, ChainSession, StageEndpoint
+from stagemesh.router.server import RouterConfig, RouterServer
+from stagemesh.scheduler import placement
+from stagemesh.scheduler.server import print_plan
+from stagemesh.stage_server.config import BatcherConfig, StageConfig, max_step_bytes, split_host_port
+from stagemesh.stage_server.server import StageServer
+from stagemesh.stage_server.service.registration import Registration, RegistrationConfig
 from stagemesh.tiny_model import make_tiny_model
 from stagemesh.v1 import router_pb2, router_pb2_grpc, stage_pb2, stage_pb2_grpc
 from tests.conftest import collect, hf_greedy, splits, start_mesh

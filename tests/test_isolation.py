@@ -12,14 +12,14 @@ import grpc
 import pytest
 import torch
 
-from stage_server import sampling as sampling_module
-from stage_server.batcher import AGED_AFTER_PASSES, BatcherStopped, StepBatcher, StepRequest
-from stage_server.config import BatcherConfig
-from stage_server.kv_pool import KVPool
-from stage_server.loader import load_stage
-from stage_server.sampling import Sampling
-from stage_server.sessions import SessionTable
 from stagemesh.request_limits import InvalidSampling
+from stagemesh.stage_server.config import BatcherConfig
+from stagemesh.stage_server.engine import sampling as sampling_module
+from stagemesh.stage_server.engine.batcher import AGED_AFTER_PASSES, BatcherStopped, StepBatcher, StepRequest
+from stagemesh.stage_server.engine.kv_pool import KVPool
+from stagemesh.stage_server.engine.loader import load_stage
+from stagemesh.stage_server.engine.sampling import Sampling
+from stagemesh.stage_server.service.sessions import SessionTable
 from tests.conftest import collect, hf_greedy, splits, start_mesh
 from tests.test_exactness import prompt
 from tests.test_traffic import request

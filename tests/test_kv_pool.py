@@ -12,16 +12,16 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from router.generation import GenerationConfig
-from stage_server import paged_attention, pass_plan
-from stage_server.batcher import StepBatcher, StepRequest
-from stage_server.config import BatcherConfig
-from stage_server.kv_pool import KVPool, PoolExhausted, Preempted
-from stage_server.loader import load_stage
-from stage_server.model import StageModel, StepSlice
-from stage_server.pass_plan import MAX_DECODE_GROUPS, MAX_DECODE_PADDING, length_buckets, plan_pass
-from stage_server.sessions import SessionTable
 from stagemesh import tensor_codec
+from stagemesh.router.generation import GenerationConfig
+from stagemesh.stage_server.config import BatcherConfig
+from stagemesh.stage_server.engine import paged_attention, pass_plan
+from stagemesh.stage_server.engine.batcher import StepBatcher, StepRequest
+from stagemesh.stage_server.engine.kv_pool import KVPool, PoolExhausted, Preempted
+from stagemesh.stage_server.engine.loader import load_stage
+from stagemesh.stage_server.engine.model import StageModel, StepSlice
+from stagemesh.stage_server.engine.pass_plan import MAX_DECODE_GROUPS, MAX_DECODE_PADDING, length_buckets, plan_pass
+from stagemesh.stage_server.service.sessions import SessionTable
 from stagemesh.tiny_model import make_tiny_model
 from stagemesh.v1 import stage_pb2
 from tests.conftest import collect, hf_greedy, splits, start_mesh

@@ -15,16 +15,16 @@ import grpc
 import pytest
 from prometheus_client import REGISTRY
 
-from router.chain_client import Chain, StageEndpoint
-from router.chains import ChainSet
-from router.priority_queue import AdmissionConfig
-from router.server import RouterConfig, RouterServer
-from scheduler.server import print_plan
-from stage_server.config import StageConfig
-from stage_server.registration import Registration, RegistrationConfig
-from stage_server.server import StageServer
 from stagemesh import grpc_server
 from stagemesh.discovery.backends import open_registry
+from stagemesh.router.chain_client import Chain, StageEndpoint
+from stagemesh.router.chains import ChainSet
+from stagemesh.router.priority_queue import AdmissionConfig
+from stagemesh.router.server import RouterConfig, RouterServer
+from stagemesh.scheduler.server import print_plan
+from stagemesh.stage_server.config import StageConfig
+from stagemesh.stage_server.server import StageServer
+from stagemesh.stage_server.service.registration import Registration, RegistrationConfig
 from stagemesh.tiny_model import make_tiny_model
 from stagemesh.v1 import router_pb2, router_pb2_grpc
 from tests.conftest import collect, hf_greedy, splits, start_mesh

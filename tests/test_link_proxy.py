@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from stagemesh.link_proxy import LinkProxy
+from tests.harness.link_proxy import LinkProxy
 
 
 async def _echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

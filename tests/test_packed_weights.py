@@ -1,5 +1,5 @@
 """Packed weights (on by default): every Linear of a CPU float32 stage holds its weight as panels of 16 output
-columns, multiplied by stagemesh::packed_linear (stage_server/packed_weights.py, packed_linear.cpp). Exact as
+columns, multiplied by stagemesh::packed_linear (stage_server/cpu/packed_weights.py, packed_linear.cpp). Exact as
 before: greedy tokens identical to transformers and logits within 1e-4, for every family, in one stage and
 split, under batched decode passes and prefill chunks; a tied LM head keeps sharing the embeddings' weight; the
 RMSNorm before a packed Linear runs inside its call."""
@@ -13,11 +13,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stage_server import cpu_kernels, packed_weights, paged_attention
-from stage_server.kv_pool import KVPool
-from stage_server.loader import load_stage
-from stage_server.model import RMSNorm
-from stage_server.quantize import Int8WeightLinear
+from stagemesh.stage_server.cpu import cpu_kernels, packed_weights
+from stagemesh.stage_server.engine import paged_attention
+from stagemesh.stage_server.engine.kv_pool import KVPool
+from stagemesh.stage_server.engine.loader import load_stage
+from stagemesh.stage_server.engine.model import RMSNorm
+from stagemesh.stage_server.engine.quantize import Int8WeightLinear
 from stagemesh.tiny_model import make_tiny_model
 from stagemesh.v1 import router_pb2
 from tests.conftest import (

@@ -1,4 +1,4 @@
-"""The paged attention kernel (stage_server/paged_attention.cpp, built by cpu_kernels.py): decode attention read
+"""The paged attention kernel (stage_server/cpu/paged_attention.cpp, built by cpu_kernels.py): decode attention read
 where K/V lie in the pool equals SDPA over each session's own keys, for grouped and plain heads, sliding
 windows, every head size and dtype a stage serves; it reads nothing past a session's end, refuses a table that
 points outside the pool, and is built once, into a cache, or not at all (a stage then gathers for SDPA)."""
@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from stage_server import cpu_kernels, paged_attention
+from stagemesh.stage_server.cpu import cpu_kernels
+from stagemesh.stage_server.engine import paged_attention
 
 kernel = paged_attention.load()
 needs_kernel = pytest.mark.skipif(kernel is None, reason="the paged attention kernel could not be built here "

@@ -9,7 +9,8 @@ import random
 import pytest
 from safetensors import safe_open
 
-from scheduler.placement import (
+from stagemesh.checkpoint import ModelFootprint
+from stagemesh.scheduler.placement import (
     ChainPlan,
     Host,
     PlacementConfig,
@@ -20,7 +21,6 @@ from scheduler.placement import (
     split_layers,
     usable_bytes,
 )
-from stagemesh.checkpoint import ModelFootprint
 from stagemesh.tiny_model import make_tiny_model
 
 # 8 layers of 100 B, embed 50 B, head 50 B: 900 B in all. With the default 20% headroom a host of
@@ -331,8 +331,8 @@ def test_from_model_dir_adds_up_to_the_checkpoint(tiny_dirs, family):
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("span", [(0, 3), (0, 1), (1, 3)])
 def test_int8_footprint_is_what_a_quantized_stage_holds(tiny_dirs, family, span):
-    from stage_server.loader import load_stage
-    from stage_server.quantize import quantize
+    from stagemesh.stage_server.engine.loader import load_stage
+    from stagemesh.stage_server.engine.quantize import quantize
 
     path = tiny_dirs[family]
     m = ModelFootprint.from_model_dir(path, quantize="int8")

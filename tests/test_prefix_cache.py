@@ -1,5 +1,5 @@
 """Prefix caching: a session that starts with the tokens of an earlier one attaches the KV blocks those left
-(stage_server/kv_pool.py) instead of computing them; exact against transformers, whatever each stage of the
+(stage_server/engine/kv_pool.py) instead of computing them; exact against transformers, whatever each stage of the
 chain had cached, and the cached blocks give way to live sessions when the pool runs dry."""
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
-from router.chain_client import Chain, ChainSession, StageEndpoint
-from router.generation import GenerationConfig
-from router.step_values import Sampling
-from stage_server.callers import prefix_domain
-from stage_server.kv_pool import KVPool, PoolExhausted, Preempted
 from stagemesh import tensor_codec
+from stagemesh.router.chain_client import Chain, ChainSession, StageEndpoint
+from stagemesh.router.generation import GenerationConfig
+from stagemesh.router.step_values import Sampling
+from stagemesh.stage_server.engine.kv_pool import KVPool, PoolExhausted, Preempted
+from stagemesh.stage_server.service.callers import prefix_domain
 from stagemesh.tiny_model import make_tiny_model
 from stagemesh.v1 import stage_pb2
 from tests.conftest import FAMILIES, NUM_LAYERS, collect, hf_greedy, splits, start_mesh

@@ -14,9 +14,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from safetensors import safe_open
 
 import stagemesh
-from router.server import RouterConfig
 from stagemesh.checkpoint import ModelFootprint
 from stagemesh.launcher import stage_budget_gb, stage_env, start_local_mesh, wait_for_chains
+from stagemesh.router.server import RouterConfig
 from stagemesh.v1 import router_pb2, router_pb2_grpc, stage_pb2, stage_pb2_grpc
 from tests.conftest import hf_greedy
 

@@ -7,13 +7,13 @@ import pytest
 import torch
 from torch import nn
 
-from router.chain_client import Chain, ChainSession, StageEndpoint
-from router.step_values import Sampling
-from stage_server import cpu_kernels
-from stage_server.loader import load_stage
-from stage_server.packed_weights import PackedLinear
-from stage_server.quantize import FP8, Fp8Linear, Int8WeightLinear, fp8_rows, quantize
 from stagemesh import tensor_codec
+from stagemesh.router.chain_client import Chain, ChainSession, StageEndpoint
+from stagemesh.router.step_values import Sampling
+from stagemesh.stage_server.cpu import cpu_kernels
+from stagemesh.stage_server.cpu.packed_weights import PackedLinear
+from stagemesh.stage_server.engine.loader import load_stage
+from stagemesh.stage_server.engine.quantize import FP8, Fp8Linear, Int8WeightLinear, fp8_rows, quantize
 from stagemesh.v1 import router_pb2
 from tests.conftest import collect, splits, start_mesh
 

@@ -23,7 +23,6 @@ import consul
 import pytest
 import requests
 
-from registry.service import start_registry_server
 from stagemesh import grpc_server
 from stagemesh.discovery.backends import open_registry
 from stagemesh.discovery.consul import ConsulRegistry
@@ -38,8 +37,9 @@ from stagemesh.discovery.registry import (
     chains_key,
     leader_key,
 )
-from stagemesh.etcd_cluster import EtcdCluster
-from stagemesh.fault_mesh import free_ports
+from stagemesh.registry.service import start_registry_server
+from tests.harness.etcd_cluster import EtcdCluster
+from tests.harness.fault_mesh import free_ports
 
 WAKE_WITHIN_S = 3.0  # a watch must answer this soon after a change ...
 WATCH_TIMEOUT_S = 20.0  # ... though it would wait this long for one

@@ -12,15 +12,15 @@ import grpc
 import pytest
 import torch
 
-from router import repair
-from router.chain_client import Chain, ChainSession, StageEndpoint
-from router.forwarding import ForwardingSession
-from router.step_values import Sampling
-from stage_server.output_log import LogBudget, OutputLog
 from stagemesh import grpc_server, tensor_codec, wire
-from stagemesh.fault_mesh import FaultMesh
+from stagemesh.router import repair
+from stagemesh.router.chain_client import Chain, ChainSession, StageEndpoint
+from stagemesh.router.forwarding import ForwardingSession
+from stagemesh.router.step_values import Sampling
+from stagemesh.stage_server.service.output_log import LogBudget, OutputLog
 from stagemesh.v1 import router_pb2, router_pb2_grpc, stage_pb2, stage_pb2_grpc
 from tests.conftest import hf_greedy, splits, start_mesh
+from tests.harness.fault_mesh import FaultMesh
 from tests.test_exactness import prompt
 from tests.test_fault_suite import _until
 from tests.test_identity import other_connection

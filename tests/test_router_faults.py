@@ -13,21 +13,21 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import REGISTRY
 
-from router.chain_client import ChainSession, Progress
-from router.generation import Backoff, GenerationConfig
-from router.server import RouterConfig, RouterServer
-from router.step_values import Sampling
-from stage_server.config import BatcherConfig
-from stage_server.kv_pool import PoolExhausted
-from stage_server.model import StageModel
-from stage_server.server import SERVICE_NAME as STAGE_SERVICE
-from stage_server.sessions import UnknownSession
 from stagemesh import grpc_server, metrics
 from stagemesh.errors import StatusError
-from stagemesh.fault_mesh import free_ports
-from stagemesh.link_proxy import LinkProxy
+from stagemesh.router.chain_client import ChainSession, Progress
+from stagemesh.router.generation import Backoff, GenerationConfig
+from stagemesh.router.server import RouterConfig, RouterServer
+from stagemesh.router.step_values import Sampling
+from stagemesh.stage_server.config import BatcherConfig
+from stagemesh.stage_server.engine.kv_pool import PoolExhausted
+from stagemesh.stage_server.engine.model import StageModel
+from stagemesh.stage_server.server import SERVICE_NAME as STAGE_SERVICE
+from stagemesh.stage_server.service.sessions import UnknownSession
 from stagemesh.v1 import router_pb2, router_pb2_grpc, stage_pb2
 from tests.conftest import collect, hf_greedy, splits, start_mesh
+from tests.harness.fault_mesh import free_ports
+from tests.harness.link_proxy import LinkProxy
 from tests.test_exactness import prompt
 from tests.test_traffic import request
 

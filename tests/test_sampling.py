@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from stage_server.sampling import NotFinite, Sampling, draw, sample, sample_rows, uniform
+from stagemesh.stage_server.engine.sampling import NotFinite, Sampling, draw, sample, sample_rows, uniform
 
 VOCAB = 50
 

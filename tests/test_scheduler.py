@@ -8,16 +8,16 @@ import time
 
 import pytest
 
-from registry.service import start_registry_server
-from router.server import RouterConfig, RouterServer
-from scheduler.scheduler import Scheduler, SchedulerConfig
-from scheduler.server import print_plan
-from stage_server.config import StageConfig
-from stage_server.registration import Registration, RegistrationConfig
-from stage_server.server import StageServer
 from stagemesh import grpc_server
 from stagemesh.checkpoint import ModelFootprint
 from stagemesh.discovery.backends import open_registry
+from stagemesh.registry.service import start_registry_server
+from stagemesh.router.server import RouterConfig, RouterServer
+from stagemesh.scheduler.scheduler import Scheduler, SchedulerConfig
+from stagemesh.scheduler.server import print_plan
+from stagemesh.stage_server.config import StageConfig
+from stagemesh.stage_server.server import StageServer
+from stagemesh.stage_server.service.registration import Registration, RegistrationConfig
 from stagemesh.v1 import router_pb2, router_pb2_grpc
 from tests.conftest import collect, until
 

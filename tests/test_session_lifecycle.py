@@ -11,10 +11,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from router import chain_client
-from router.chains import STAGE_SERVICE
 from stagemesh import wire
 from stagemesh.discovery.chain_table import PublishedChain, PublishedStage
+from stagemesh.router import chain_client
+from stagemesh.router.chains import STAGE_SERVICE
 from stagemesh.v1 import router_pb2, stage_pb2
 from tests.conftest import collect, hf_greedy, splits, start_mesh, until
 

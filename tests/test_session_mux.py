@@ -9,11 +9,11 @@ import asyncio
 import grpc
 import pytest
 
-from router.forwarding import ForwardingSession
-from router.step_values import Sampling
-from stage_server import session_stream
-from stage_server.config import BatcherConfig
 from stagemesh import grpc_server
+from stagemesh.router.forwarding import ForwardingSession
+from stagemesh.router.step_values import Sampling
+from stagemesh.stage_server.config import BatcherConfig
+from stagemesh.stage_server.service import session_stream
 from stagemesh.v1 import stage_pb2
 from tests.conftest import hf_greedy
 from tests.test_exactness import prompt

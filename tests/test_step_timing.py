@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from prometheus_client import REGISTRY
 
-from stage_server.step_timing import PHASES
+from stagemesh.stage_server.engine.step_timing import PHASES
 from stagemesh.v1 import router_pb2, stage_pb2
 from tests.conftest import collect, splits, start_mesh
 

@@ -9,14 +9,14 @@ import grpc
 import pytest
 import torch
 
-from router.chain_client import Chain, ChainSession, StageEndpoint
-from router.server import RouterConfig, RouterServer
-from router.step_values import Sampling
-from stage_server import tensor_parallel
-from stage_server.config import BatcherConfig, StageConfig
-from stage_server.server import StageServer
-from stage_server.tensor_parallel import check_tp, rank_args, shard_of
 from stagemesh.checkpoint import ModelArgs, read_config
+from stagemesh.router.chain_client import Chain, ChainSession, StageEndpoint
+from stagemesh.router.server import RouterConfig, RouterServer
+from stagemesh.router.step_values import Sampling
+from stagemesh.stage_server.config import BatcherConfig, StageConfig
+from stagemesh.stage_server.engine import tensor_parallel
+from stagemesh.stage_server.engine.tensor_parallel import check_tp, rank_args, shard_of
+from stagemesh.stage_server.server import StageServer
 from stagemesh.v1 import router_pb2, stage_pb2
 from tests.conftest import FAMILIES, Mesh, collect, hf_greedy, stepped_logits
 

@@ -16,9 +16,6 @@ from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from registry.service import start_registry_server
-from router.server import RouterConfig, RouterServer
-from scheduler.server import print_plan
 from stagemesh import cli, grpc_server, tls
 from stagemesh.certs import CertsConfig, make_certs
 from stagemesh.discovery.backends import consul_target, open_registry
@@ -26,6 +23,9 @@ from stagemesh.discovery.consul import ConsulRegistry
 from stagemesh.discovery.embedded import EmbeddedRegistryClient
 from stagemesh.discovery.registry import RegistryError
 from stagemesh.launcher import start_local_mesh, wait_for_chains
+from stagemesh.registry.service import start_registry_server
+from stagemesh.router.server import RouterConfig, RouterServer
+from stagemesh.scheduler.server import print_plan
 from stagemesh.v1 import registry_pb2, registry_pb2_grpc, router_pb2, router_pb2_grpc, stage_pb2, stage_pb2_grpc
 from tests.conftest import collect, hf_greedy, splits, start_mesh
 

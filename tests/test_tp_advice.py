@@ -7,13 +7,13 @@ import socket
 
 import pytest
 
-from scheduler.placement import Host, PlacementConfig, plan
-from scheduler.scheduler import host_of
-from scheduler.tp_advice import advise, tp_sizes
-from stage_server.config import StageConfig
 from stagemesh.checkpoint import ModelArgs
 from stagemesh.discovery.chain_table import PublishedChain, PublishedStage, decode_chains, encode_chains
 from stagemesh.discovery.registry import ServiceRecord, ServiceStatus
+from stagemesh.scheduler.placement import Host, PlacementConfig, plan
+from stagemesh.scheduler.scheduler import host_of
+from stagemesh.scheduler.tp_advice import advise, tp_sizes
+from stagemesh.stage_server.config import StageConfig
 from tests.test_placement import HALF, MODEL, WHOLE
 
 

@@ -9,9 +9,9 @@ import random
 import grpc
 import pytest
 
-from router.generation import GenerationConfig
-from router.priority_queue import AdmissionConfig, ClassLimits
-from stage_server.config import BatcherConfig
+from stagemesh.router.generation import GenerationConfig
+from stagemesh.router.priority_queue import AdmissionConfig, ClassLimits
+from stagemesh.stage_server.config import BatcherConfig
 from stagemesh.v1 import router_pb2
 from tests.conftest import collect, hf_greedy, splits, start_mesh, until
 from tests.test_exactness import prompt

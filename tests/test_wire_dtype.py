@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from router.chain_client import Chain, ChainSession, StageEndpoint
-from router.step_values import Sampling
 from stagemesh import tensor_codec
+from stagemesh.router.chain_client import Chain, ChainSession, StageEndpoint
+from stagemesh.router.step_values import Sampling
 from stagemesh.v1 import stage_pb2
 from stagemesh.wire import encode_ids
 from tests.conftest import splits, start_mesh

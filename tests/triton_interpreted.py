@@ -1,4 +1,4 @@
-"""The GPU's attention kernel (stage_server/triton_attention.py) on CPU tensors, through Triton's interpreter.
+"""The GPU's attention kernel (stage_server/gpu/triton_attention.py) on CPU tensors, through Triton's interpreter.
 
 Not collected by the suite on its own (its name is not test_*.py): tests/test_triton_attention.py runs it in a
 process whose environment has TRITON_INTERPRET=1 before triton is imported, which the interpreter needs.
@@ -16,15 +16,15 @@ import os
 import pytest
 import torch
 
-from stage_server.cuda_graphs import GraphedPasses
-from stage_server.kv_pool import KVPool
-from stage_server.loader import load_stage
-from stage_server.model import StepSlice
-from stage_server.pass_plan import paged_batch
-from stage_server.quantize import int8_rows
-from stage_server.triton_attention import decode_attention, paged_attention
-from stage_server.triton_int8 import int8_weight_matmul
 from stagemesh import metrics
+from stagemesh.stage_server.engine.kv_pool import KVPool
+from stagemesh.stage_server.engine.loader import load_stage
+from stagemesh.stage_server.engine.model import StepSlice
+from stagemesh.stage_server.engine.pass_plan import paged_batch
+from stagemesh.stage_server.engine.quantize import int8_rows
+from stagemesh.stage_server.gpu.cuda_graphs import GraphedPasses
+from stagemesh.stage_server.gpu.triton_attention import decode_attention, paged_attention
+from stagemesh.stage_server.gpu.triton_int8 import int8_weight_matmul
 from tests.conftest import decode_passes_match_transformers
 from tests.test_exactness import prompt
 

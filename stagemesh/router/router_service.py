@@ -1,0 +1,224 @@
+"""The stagemesh.v1.Router servicer: validates requests (errors say what to change), converts
+protobuf at the edge and streams what router.generation produces."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+
+from stagemesh import metrics
+from stagemesh.errors import StatusError
+from stagemesh.request_limits import (
+    MAX_BATCH_REQUESTS,
+    MAX_PROMPT_CHARS_PER_TOKEN,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    InvalidSampling,
+    check_sampling,
+    request_id_problem,
+)
+from stagemesh.router.auth import CALLER
+from stagemesh.router.chains import ChainSet, NoUsableChain, kind, width
+from stagemesh.router.generation import GenerationConfig, GenerationRequest, generate
+from stagemesh.router.priority_queue import AdmissionRefused, PriorityAdmission, priority_class
+from stagemesh.v1 import router_pb2, router_pb2_grpc
+
+log = logging.getLogger("stagemesh.router")
+
+FINISH = {
+    "length": router_pb2.FINISH_REASON_LENGTH,
+    "stop": router_pb2.FINISH_REASON_STOP,
+    "eos": router_pb2.FINISH_REASON_EOS,
+}
+
+
+class RouterService(router_pb2_grpc.RouterServicer):
+    def __init__(self, chains: ChainSet, tokenizer, model_config, eos_ids: frozenset[int],
+                 config: GenerationConfig, model_name: str, admission: PriorityAdmission):
+        self.chains = chains
+        self.admission = admission
+        self.tokenizer = tokenizer
+        self.vocab_size = model_config.vocab_size
+        self.max_position = model_config.max_position_embeddings
+        self.eos_ids = eos_ids
+        self.config = config
+        self.model_name = model_name
+
+    async def to_generation_request(self, request: router_pb2.GenerateRequest, context) -> GenerationRequest:
+        """Checks everything a stage would refuse, and the bounds of request_limits, before any work."""
+        bad = grpc.StatusCode.INVALID_ARGUMENT
+        if request.request_id and (problem := request_id_problem(request.request_id)):
+            raise StatusError(bad, problem)
+        if request.prompt and request.token_ids:
+            raise StatusError(bad, "set either prompt or token_ids, not both")
+        try:
+            check_sampling(request.temperature, request.top_k, request.top_p)
+        except InvalidSampling as exc:
+            raise StatusError(bad, str(exc)) from None
+        if len(request.stop) > MAX_STOP_STRINGS or any(not 0 < len(s) <= MAX_STOP_CHARS for s in request.stop):
+            raise StatusError(bad, f"stop: at most {MAX_STOP_STRINGS} strings of 1..{MAX_STOP_CHARS} characters")
+        if request.max_new_tokens <= 0:
+            raise StatusError(bad, "max_new_tokens must be at least 1")
+        if len(request.prompt) > self.max_position * MAX_PROMPT_CHARS_PER_TOKEN:
+            raise StatusError(grpc.StatusCode.OUT_OF_RANGE,
+                              f"the prompt has {len(request.prompt)} characters, more than the model's context of "
+                              f"{self.max_position} tokens can hold: shorten it")
+        if request.prompt:  # off the event loop: a long text must not stall other callers' streams
+            prompt_ids = (await asyncio.to_thread(self.tokenizer, request.prompt, add_special_tokens=True))[
+                "input_ids"]
+        else:
+            prompt_ids = list(request.token_ids)
+        if not prompt_ids:
+            raise StatusError(bad, "the prompt is empty: set prompt (text) or token_ids")
+        outside = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        if outside:
+            raise StatusError(bad, f"token id {outside[0]} is outside the vocabulary 0..{self.vocab_size - 1}")
+        if len(prompt_ids) >= self.max_position:
+            raise StatusError(
+                grpc.StatusCode.OUT_OF_RANGE,
+                f"the prompt has {len(prompt_ids)} tokens; the model's context is {self.max_position}: shorten it",
+            )
+        if len(prompt_ids) + request.max_new_tokens > self.max_position:
+            raise StatusError(
+                grpc.StatusCode.OUT_OF_RANGE,
+                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({request.max_new_tokens}) exceeds the "
+                f"model's context of {self.max_position}; ask for at most "
+                f"{self.max_position - len(prompt_ids)} new tokens",
+            )
+        remaining = context.time_remaining()
+        deadline = asyncio.get_running_loop().time() + remaining if remaining is not None else None
+        return GenerationRequest(
+            request_id=request.request_id or uuid.uuid4().hex[:16],
+            prompt_ids=prompt_ids,
+            max_new_tokens=request.max_new_tokens,
+            temperature=request.temperature,
+            top_k=request.top_k,
+            top_p=request.top_p or 1.0,
+            seed=request.seed,
+            stop=tuple(request.stop),
+            priority=request.priority,
+            deadline=deadline,
+            caller=CALLER.get(),
+        )
+
+    async def _stream(self, req: GenerationRequest) -> AsyncIterator[router_pb2.GenerateResponse]:
+        """Waits for admission, then streams; every failure the caller can act on leaves as StatusError."""
+        extra = req.log_extra()
+        cls = priority_class(req.priority)
+        arrived = time.perf_counter()
+        try:
+            await self.admission.acquire(req.priority, req.deadline)
+        except AdmissionRefused as exc:
+            log.warning(exc.message, extra=extra)
+            metrics.count_request(exc.code.name, req.caller)
+            raise
+        metrics.QUEUE_WAIT.labels(cls).observe(time.perf_counter() - arrived)
+        status = "CANCELLED"
+        first = True
+        log.info(f"generate: {len(req.prompt_ids)} prompt tokens, up to {req.max_new_tokens} new, "
+                 f"priority {req.priority}", extra=extra)
+        try:
+            # Closed here, not when the collector gets to it: a stream's next step is on its way as it yields.
+            async with contextlib.aclosing(generate(req, self.chains, self.tokenizer, self.eos_ids,
+                                                    self.config)) as pieces:
+                async for piece in pieces:
+                    if first:
+                        metrics.TIME_TO_FIRST_TOKEN.labels(cls).observe(time.perf_counter() - arrived)
+                        first = False
+                    metrics.TOKENS.inc(len(piece.token_ids))
+                    yield router_pb2.GenerateResponse(
+                        token_ids=piece.token_ids,
+                        text=piece.text,
+                        finish_reason=FINISH.get(piece.finish_reason, router_pb2.FINISH_REASON_UNSPECIFIED),
+                        request_id=req.request_id,
+                        cached_tokens=piece.cached_tokens,
+                    )
+            status = "OK"
+        except NoUsableChain as exc:
+            log.warning(str(exc), extra=extra)
+            status = "UNAVAILABLE"
+            raise StatusError(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
+        except StatusError as exc:
+            status = exc.code.name
+            log.warning(f"generate failed: {exc.code.name}: {exc.message}", extra=extra)
+            raise
+        finally:
+            self.admission.release()
+            metrics.count_request(status, req.caller)
+
+    async def Generate(self, request, context):
+        # Closed with the call, not when collected: _stream gives its admission slot back then.
+        req = await self.to_generation_request(request, context)
+        async with contextlib.aclosing(self._stream(req)) as responses:
+            async for response in responses:
+                yield response
+
+    async def GenerateBatch(self, request, context):
+        if not 0 < len(request.requests) <= MAX_BATCH_REQUESTS:
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"requests has {len(request.requests)} entries: send 1..{MAX_BATCH_REQUESTS} per call")
+        # Bounded: a caller that reads slowly holds its prompts' streams back instead of the router
+        # buffering their tokens.
+        out: asyncio.Queue[router_pb2.GenerateBatchResponse | None] = asyncio.Queue(maxsize=64)
+        abandoned = False  # the call ended: nobody reads `out` any more
+
+        async def run(index: int, sub: router_pb2.GenerateRequest) -> None:
+            try:
+                req = await self.to_generation_request(sub, context)
+                async with contextlib.aclosing(self._stream(req)) as responses:
+                    async for response in responses:
+                        await out.put(router_pb2.GenerateBatchResponse(index=index, response=response))
+            except StatusError as exc:  # one prompt's refusal is its own entry; the others go on
+                await out.put(router_pb2.GenerateBatchResponse(
+                    index=index, error_code=exc.code.value[0], error_message=f"request {index}: {exc.message}"))
+            except Exception:  # a bug: this prompt gets an entry all the same, never a silent drop
+                log.exception(f"GenerateBatch entry {index} failed",
+                              extra={"request_id": sub.request_id, "caller": CALLER.get()})
+                await out.put(router_pb2.GenerateBatchResponse(
+                    index=index, error_code=grpc.StatusCode.INTERNAL.value[0],
+                    error_message=f"request {index}: internal error in the router; it logged it"))
+            finally:
+                if not abandoned:  # a full queue nobody reads would hold this task forever
+                    await out.put(None)  # this prompt is done
+
+        # Each prompt runs as its own stream; the chain picker spreads them over all usable chains.
+        tasks = [asyncio.ensure_future(run(i, sub)) for i, sub in enumerate(request.requests)]
+        running = len(tasks)
+        try:
+            while running:
+                item = await out.get()
+                if item is None:
+                    running -= 1
+                else:
+                    yield item
+        finally:
+            abandoned = True
+            for t in tasks:
+                t.cancel()
+
+    async def ListChains(self, request, context):
+        return router_pb2.ListChainsResponse(
+            model=self.model_name,
+            plan=self.chains.plan,
+            chains=[
+                router_pb2.Chain(
+                    chain_id=c.chain_id,
+                    healthy=c.healthy,
+                    in_flight=c.in_flight,
+                    fingerprint=c.fingerprint,
+                    kind=kind(c),
+                    tp_width=width(c),
+                    length_class=self.chains.length_class_of(c),
+                    problem=c.problem,
+                    stages=[router_pb2.StageRef(address=s.address, layer_start=s.layer_start,
+                                                layer_end=s.layer_end) for s in c.stages],
+                )
+                for c in self.chains.chains
+            ],
+        )

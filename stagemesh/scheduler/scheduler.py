@@ -1,0 +1,282 @@
+"""The scheduler: watches the stage servers in the registry, places layers, and publishes the
+pipeline chains that routers use. Several may run; only the holder of the leader lock acts."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import get_args
+
+from stagemesh.checkpoint import (
+    QUANTIZE,
+    DtypeChoice,
+    ModelArgs,
+    ModelFootprint,
+    ServingDtype,
+    read_config,
+    serving_dtype,
+)
+from stagemesh.config_flags import NOT_A_FLAG, PORT_RULE, refused
+from stagemesh.discovery.chain_table import PublishedChain, PublishedStage, decode_chains, encode_chains
+from stagemesh.discovery.registry import (
+    Registry,
+    RegistryError,
+    ServiceStatus,
+    assignment_key,
+    assignments_prefix,
+    chains_key,
+    leader_key,
+    parse_layers,
+)
+from stagemesh.scheduler import placement, tp_advice
+from stagemesh.tracing import TracingConfig
+
+log = logging.getLogger("stagemesh.scheduler")
+
+
+@dataclass
+class SchedulerConfig:
+    model: str
+    """Local checkpoint directory: the scheduler reads its config and tensor sizes (not its weights)."""
+    model_name: str = ""
+    """The model's name in the registry (default: the directory's name); stages and routers use the same."""
+    dtype: DtypeChoice = "auto"
+    """The dtype the stages serve in, for sizing (auto: what most live stages announce, before any announce the
+    checkpoint's own)."""
+    quantize: str = "auto"
+    """The stages' --quantize, for sizing: int8 Linear weights let each host hold more layers (auto: what most
+    live stages announce; none before any do)."""
+    lock_ttl_s: float = field(default=3.0, metadata={"flag": "--lock-ttl"})
+    """Seconds before a standby scheduler takes over from a leader that stopped renewing its lock."""
+    placement: placement.PlacementConfig = field(default_factory=placement.PlacementConfig)
+    tracing: TracingConfig = field(default_factory=TracingConfig)
+    settle_s: float = 3.0
+    """Seconds a leader that finds no chain table in the registry (a first start, or a registry restarted
+    empty) watches registrations before it assigns or publishes anything: stages that already serve register
+    again within a heartbeat or two, and are kept as they serve instead of being planned as they trickle in."""
+    registry: str = "local"
+    """'local' hosts the embedded registry in this process; or local://HOST:PORT, consul://HOST:PORT,
+    consul+https://HOST:PORT, etcd://HOST:PORT[,HOST:PORT...], etcd+https://HOST:PORT[,HOST:PORT...]."""
+    host: str = "127.0.0.1"
+    """The address the hosted registry serves on (with --registry local)."""
+    registry_port: int = 50050
+    """The hosted registry's port (with --registry local; 0 picks a free port)."""
+    tls: str | None = None
+    """A directory with ca.pem, mesh.pem and mesh-key.pem (`stagemesh certs`): the hosted registry serves mutual
+    TLS and the scheduler reaches its registry with it (default: plaintext)."""
+    scheduler_id: str = field(default_factory=lambda: f"scheduler-{uuid.uuid4().hex[:8]}", metadata=NOT_A_FLAG)
+    """Names the leader lock's holder: fresh in each process, since two schedulers sharing one would both lead."""
+
+    def __post_init__(self) -> None:
+        self.model_name = self.model_name or Path(self.model).name
+        if self.dtype not in get_args(DtypeChoice):
+            raise ValueError(f"--dtype {self.dtype!r}: use one of {', '.join(get_args(DtypeChoice))}")
+        if self.quantize not in ("auto", *QUANTIZE):
+            raise ValueError(f"--quantize {self.quantize!r}: use one of auto, {', '.join(QUANTIZE)}")
+        if not self.lock_ttl_s > 0:
+            raise refused(self, "lock_ttl_s", "must be > 0 seconds (a standby takes over after it)")
+        if not self.settle_s >= 0:
+            raise refused(self, "settle_s", "must be >= 0 seconds")
+        if not 0 <= self.registry_port <= 65535:
+            raise refused(self, "registry_port", PORT_RULE)
+
+
+def host_of(status: ServiceStatus, num_layers: int) -> placement.Host:
+    """The host a registration describes; ValueError (saying which value) when its meta is malformed
+    or out of range: anyone can write a registration, and one bad one must not stop scheduling."""
+    meta = status.record.meta
+    fixed = None
+    if meta.get("fixed") == "1" and meta.get("layers"):
+        fixed = parse_layers(meta["layers"], num_layers)
+    try:
+        budget = int(meta.get("budget_bytes", ""))
+        speed = float(meta.get("speed", "1"))
+        tp, devices = int(meta.get("tp", "1")), int(meta.get("devices", "1"))
+    except ValueError:
+        raise ValueError(f"budget_bytes {meta.get('budget_bytes')!r} / speed {meta.get('speed')!r} / tp "
+                         f"{meta.get('tp')!r} / devices {meta.get('devices')!r} are not numbers") from None
+    if not (tp >= 1 and devices >= 1):  # tp may pass devices: on a CPU host its ranks share the cores
+        raise ValueError(f"tp {tp} and devices {devices} must be >= 1")
+    if budget <= 0:
+        raise ValueError(f"budget_bytes {budget} must be > 0")
+    if not (math.isfinite(speed) and speed > 0):
+        raise ValueError(f"speed {speed} must be finite and > 0")
+    serving = parse_layers(meta["layers"], num_layers) if meta.get("ready") == "1" and meta.get("layers") else None
+    return placement.Host(host_id=status.record.service_id, memory_bytes=budget, speed=speed, fixed_layers=fixed,
+                          fingerprint=meta.get("fingerprint", ""), tp=tp, machine=meta.get("host", ""),
+                          devices=devices, serving=serving)
+
+
+def serves(status: ServiceStatus, start: int, end: int) -> bool:
+    """Passing, loaded with exactly this range and serving it."""
+    meta = status.record.meta
+    return status.passing and meta.get("layers") == f"{start}:{end}" and meta.get("ready") == "1"
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, registry: Registry):
+        self.config = config
+        self.registry = registry
+        model_config = read_config(config.model)
+        self.model_args = ModelArgs.from_config(model_config)  # heads: which --tp sizes fit
+        self._stored_dtype = serving_dtype("auto", model_config, "cpu")  # the checkpoint's own
+        self._footprints: dict[tuple[str, str], ModelFootprint] = {}
+        self.footprint = self.footprint_for([])
+        self.plan: placement.Plan | None = None
+        self.published: list[PublishedChain] | None = None
+        self.leading = False
+        self._assigned: dict[str, str] = {}
+        self._versions: dict[str, int] = {}  # key -> modify_index of this leader's last write
+        self._reported: set[str] = set()  # problems already logged: each once, not once per poll
+        self._found: list[placement.ChainPlan] = []  # the chains published when this leader took over
+
+    @property
+    def name(self) -> str:
+        return self.config.model_name
+
+    def sizing(self, services: list[ServiceStatus]) -> tuple[ServingDtype, str]:
+        """(dtype, quantize) to size weights at: the flags, or for auto what most live stages announce."""
+        announced = Counter((s.record.meta.get("dtype", ""), s.record.meta.get("quantize", "")) for s in services
+                            if s.passing and s.record.meta.get("dtype") in get_args(ServingDtype)
+                            and s.record.meta.get("quantize", "none") in QUANTIZE)
+        dtype, quantize = announced.most_common(1)[0][0] if announced else (self._stored_dtype, "none")
+        return (dtype if self.config.dtype == "auto" else self.config.dtype,
+                (quantize or "none") if self.config.quantize == "auto" else self.config.quantize)
+
+    def footprint_for(self, services: list[ServiceStatus]) -> ModelFootprint:
+        """The model's sizes as the stages hold it (sizing), read from the checkpoint once per sizing."""
+        key = self.sizing(services)
+        if key not in self._footprints:
+            self._footprints[key] = ModelFootprint.from_model_dir(self.config.model, *key)
+        return self._footprints[key]
+
+    async def run(self) -> None:
+        """Campaigns for the leader lock, leads while it holds it, and campaigns again if it loses it."""
+        ttl = self.config.lock_ttl_s
+        while True:
+            try:
+                if await self.registry.acquire_lock(leader_key(self.name), self.config.scheduler_id, ttl):
+                    log.info(f"{self.config.scheduler_id} leads scheduling of {self.name}")
+                    self.leading = True
+                    await self._lead()
+                    log.warning(f"{self.config.scheduler_id} lost the leader lock; standing by")
+            except RegistryError as exc:
+                log.warning(f"registry unreachable ({exc}); retrying")
+            except Exception as exc:  # a bug or bad data: stand down, log, campaign again (never die)
+                self._report(f"scheduling failed ({type(exc).__name__}: {exc}); standing down and retrying",
+                             exc_info=True)
+            finally:
+                self.leading = False
+            await asyncio.sleep(ttl / 3)
+
+    def _report(self, message: str, exc_info: bool = False) -> None:
+        if message not in self._reported:
+            self._reported.add(message)
+            log.warning(message, exc_info=exc_info)
+
+    async def stop(self) -> None:
+        if self.leading:
+            with contextlib.suppress(RegistryError):
+                await self.registry.release_lock(leader_key(self.name), self.config.scheduler_id)
+
+    async def _lead(self) -> None:
+        loop = asyncio.get_running_loop()
+        ttl = self.config.lock_ttl_s
+        index, renewed = 0, loop.time()
+        # Start from what serves (placement.serving_plan), so a takeover changes nothing that works.
+        self.plan, self.published = None, None
+        self._versions = {}
+        self._assigned = {
+            e.key.rsplit("/", 1)[1]: e.value.decode()
+            for e in await self.registry.kv_list(assignments_prefix(self.name))
+        }
+        table, _ = await self.registry.kv_get(chains_key(self.name))
+        try:
+            self._found = [placement.ChainPlan([placement.StagePlan(s.service_id, s.layer_start, s.layer_end)
+                                                for s in c.stages], c.fingerprint) for c in decode_chains(table)]
+        except ValueError:
+            self._found = []
+        settled = loop.time() + (self.config.settle_s if table is None else 0.0)
+        if table is None:
+            log.info(f"no chain table in the registry: watching registrations for {self.config.settle_s:g}s "
+                     "before planning")
+        while True:
+            index, services = await self.registry.watch_services(index, timeout_s=ttl / 3, model=self.name)
+            if loop.time() - renewed >= ttl / 3:
+                if not await self.registry.renew_lock(leader_key(self.name), self.config.scheduler_id):
+                    return
+                renewed = loop.time()
+            if loop.time() >= settled:
+                await self.reconcile(services)
+
+    async def _write(self, key: str, value: bytes) -> bool:
+        """Check-and-set against the version this leader last wrote (or read at takeover): a write that
+        finds someone else's newer version means another scheduler acts too, so this one stands down."""
+        index = self._versions.get(key)
+        if index is None:
+            _, index = await self.registry.kv_get(key)
+        if await self.registry.kv_cas(key, value, index):
+            _, self._versions[key] = await self.registry.kv_get(key)
+            return True
+        log.warning(f"{key} was changed by someone else; re-reading before acting again")
+        self._versions.pop(key, None)
+        self.published = None
+        return False
+
+    async def reconcile(self, services: list[ServiceStatus]) -> None:
+        """Plans for the live stage servers, tells each its range, and publishes the chains that serve."""
+        self.footprint = self.footprint_for(services)
+        live, hosts = {}, []
+        for s in services:
+            if not s.passing:
+                continue
+            try:
+                hosts.append(host_of(s, self.footprint.num_layers))
+                live[s.record.service_id] = s
+            except ValueError as exc:
+                self._report(f"ignoring registration {s.record.service_id}: {exc}")
+        previous = self.plan or placement.serving_plan(self.footprint, hosts, self._found)
+        new_plan = placement.plan(self.footprint, hosts, self.config.placement, previous=previous)
+        advice = tp_advice.advise(self.footprint, self.model_args, self.config.placement, hosts, new_plan)
+        new_plan.explanation += "".join("\n" + line for line in advice)
+        if self.plan is None or new_plan.assignments() != self.plan.assignments():
+            log.info("plan:\n" + new_plan.explanation)
+        self.plan = new_plan
+
+        wanted = new_plan.assignments()
+        for sid, status in live.items():
+            if status.record.meta.get("fixed") == "1":
+                continue
+            rng = wanted.get(sid)
+            value = f"{rng[0]}:{rng[1]}" if rng else ""
+            if self._assigned.get(sid) != value:
+                await self.registry.kv_put(assignment_key(self.name, sid), value.encode())
+                self._assigned[sid] = value
+                log.info(f"assigned layers {value or '(none: spare)'} to {sid}")
+        for sid in [sid for sid in self._assigned if sid not in live]:
+            await self.registry.kv_delete(assignment_key(self.name, sid))
+            del self._assigned[sid]
+
+        by_id = {h.host_id: h for h in hosts}
+        ready = [
+            PublishedChain(tuple(PublishedStage(s.host_id, live[s.host_id].record.address, s.layer_start,
+                                                s.layer_end, by_id[s.host_id].tp, by_id[s.host_id].machine)
+                                 for s in chain.stages), fingerprint=chain.fingerprint)
+            for chain in new_plan.chains
+            if all(serves(live[s.host_id], s.layer_start, s.layer_end) for s in chain.stages)
+        ]
+        if ready != self.published:
+            waiting = len(new_plan.chains) - len(ready)
+            summary = (f"{len(ready)} chain(s) published"
+                       + (f", {waiting} waiting for their stages to load and serve" if waiting else ""))
+            if not await self._write(chains_key(self.name),
+                                     encode_chains(ready, f"{new_plan.explanation}\n{summary}")):
+                return
+            log.info(f"{summary}: " + "; ".join(c.label for c in ready))
+            self.published = ready

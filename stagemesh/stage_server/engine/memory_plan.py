@@ -1,0 +1,72 @@
+"""How much of a device the KV pool may take: on a GPU, what is left of --gpu-memory-utilization's share once the
+weights, a full pass's activations (measured by one profiling pass) and the CUDA graphs' memory are counted, as
+vLLM sizes its cache; on a CPU, a quarter of the memory available at start.
+
+The pool is allocated once and never grows, so its size is the stage's capacity: how many sessions, how long.
+Sized after everything else, it takes what would otherwise sit unused, and graphs captured after it find the room
+they were counted."""
+
+from __future__ import annotations
+
+import psutil
+import torch
+
+from stagemesh.stage_server.engine.kv_pool import KVPool
+from stagemesh.stage_server.engine.model import StageModel
+from stagemesh.stage_server.engine.pass_plan import StepSlice
+
+
+class NoRoomForPool(ValueError):
+    """The weights and a pass's activations leave the KV pool nothing: a configuration error, said at start."""
+
+
+def gpu_pool_bytes(total: int, in_use: int, activation_peak: int, utilization: float, graphs: bool) -> int:
+    """The KV pool's bytes on a GPU of `total` bytes: utilization of it, less what is in use (weights), the
+    activations of the largest pass, and as much again for the graphs' memory pool when graphs are captured (they
+    share one pool, captured largest first: about what the largest pass alone takes)."""
+    left = int(total * utilization) - in_use - activation_peak * (2 if graphs else 1)
+    if left <= 0:
+        raise NoRoomForPool(
+            f"no room for a KV pool: {utilization:.0%} of the GPU's {total / 2**30:.1f} GiB is "
+            f"{total * utilization / 2**30:.1f} GiB, the weights hold {in_use / 2**30:.1f} GiB and a full pass's "
+            f"activations take {activation_peak / 2**30:.2f} GiB{' (twice: eager and graphs)' if graphs else ''}; "
+            "give the stage fewer layers, a smaller --max-batch-tokens, or a larger --gpu-memory-utilization")
+    return left
+
+
+def profile_pass(model: StageModel, tokens: int) -> int:
+    """The activation memory of one pass of `tokens` tokens on CUDA (peak allocated above what was allocated
+    before), run over a scratch pool just large enough, which is freed after."""
+    device = model.device
+    a = model.args
+    bs = 16
+    blocks = -(-tokens // bs) + 2
+    block_bytes = 2 * len(model.layers) * a.num_kv_heads * bs * a.head_dim * model.dtype.itemsize
+    pool = KVPool(blocks * block_bytes, len(model.layers), a.num_kv_heads, a.head_dim, model.dtype, device,
+                  block_size=bs, lookahead_blocks=0)
+    cache = pool.allocate(tokens)
+    pool.grow(cache, tokens)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    try:
+        model(model.scratch_inputs(tokens), [StepSlice(cache, 0, 0, tokens)])
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - before
+    finally:
+        pool.release(cache)
+        del pool
+        torch.cuda.empty_cache()
+
+
+def kv_pool_bytes(model: StageModel, kv_cache_gb: float | None, pass_tokens: int, utilization: float,
+                  graphs: bool) -> int:
+    """--kv-cache-gb, or on CUDA gpu_pool_bytes after a profiling pass, or a quarter of the host's available
+    memory."""
+    if kv_cache_gb:
+        return int(kv_cache_gb * 2**30)
+    if model.device.type == "cuda":
+        peak = profile_pass(model, min(pass_tokens, model.args.max_position))
+        _, total = torch.cuda.mem_get_info(model.device)
+        return gpu_pool_bytes(total, torch.cuda.memory_allocated(model.device), peak, utilization, graphs)
+    return psutil.virtual_memory().available // 4
