@@ -550,8 +550,8 @@ def run_mesh(model: str, stages: int, replicas: int, args: argparse.Namespace, p
 def weight_bytes_per_token(model: str, dtype: str) -> tuple[int, int]:
     """(parameters, bytes a decode step reads at the run's dtype): every parameter once, except an input embedding
     table beside its own LM head, of which a step reads one row (a tied table is read whole, as the head). Counting
-    the whole table made the ~270M model's floor 14% too lenient (README, "The ceiling counted a table no step
-    reads")."""
+    the whole table made the ~270M model's floor 14% too lenient (docs/decisions.md, "The ceiling counted a
+    table no step reads")."""
     from safetensors import safe_open
 
     shapes: dict[str, list[int]] = {}

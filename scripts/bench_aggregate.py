@@ -99,8 +99,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3, help="runs of each level per mesh")
     p.add_argument("--warmup", type=int, default=1,
                    help="untimed runs of each level first (a fresh stage's first sessions also pay for its KV "
-                        "pool's first touch, which a VM's host may back slowly: README, 'A fresh pool's first "
-                        "touch')")
+                        "pool's first touch, which a VM's host may back slowly: docs/decisions.md, "
+                        "'A fresh pool's first touch')")
     p.add_argument("--rounds", type=int, default=1, help="times each tree gets a fresh mesh, in turns")
     p.add_argument("--code", action="append", type=Path, default=[], help="a checkout to measure (repeatable)")
     p.add_argument("--stage-threads", type=int, default=None,

@@ -6,7 +6,7 @@ Prints, every `--report-s` seconds: RSS per process, open sessions and KV bytes 
 and failed streams, mismatches. Ends with a JSON summary (also written to --out) and exits non-zero if
 any stream was lost (failed or wrong).
 
-    python scripts/soak.py --minutes 30                 # the README's run
+    python scripts/soak.py --minutes 30                 # the docs' soak run (docs/performance.md)
     python scripts/soak.py --minutes 2 --fault-every-s 20   # a quick look
 """
 

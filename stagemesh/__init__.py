@@ -1,11 +1,11 @@
-"""stagemesh: distributed inference of causal LMs over gRPC (README.md).
+"""stagemesh: distributed inference of causal LMs over gRPC (README.md, docs/).
 
 Importing the package sets gRPC's transport for the process before grpc is imported (every service process
 enters through stagemesh.cli, so this runs first): GRPC_TRANSPORT_EXPERIMENTS turns off the EventEngine client,
 listener and endpoints, so that the thread polling the completion queue reads the socket itself. With them on, a
 message received crosses three threads (an EventEngine poller, grpc.aio's completion-queue thread, the event
 loop); off, two. A 1 KiB round trip on a grpc.aio stream between two processes went 301.6 -> 175.7 µs here
-(scripts/bench_hop.py), and each hop of a tiny 2-stage chain ~240 -> ~170 µs (README, "Performance"). A
+(scripts/bench_hop.py), and each hop of a tiny 2-stage chain ~240 -> ~170 µs (docs/decisions.md, "Performance"). A
 GRPC_EXPERIMENTS the user set is kept as set.
 """
 

@@ -160,7 +160,7 @@ def start_local_mesh(model: str, *, stages: int, replicas: int = 1, router_port:
     cpus = os.cpu_count() or 1
     lone: list[str] = []
     if threads is None:
-        # Co-located stages share the cores (README, "Threads"). float32 decode is bandwidth-bound: one
+        # Co-located stages share the cores (docs/decisions.md, "Threads"). float32 decode is bandwidth-bound: one
         # torch thread per stage beat two on 2 cores under many streams; a lone stream's stages take turns, and
         # the one whose turn it is takes the chain's cores (--lone-session-threads). A 16-bit GEMV on the CPU is
         # compute-bound on one thread (half the bandwidth), so the stages of a chain share the chain's cores.

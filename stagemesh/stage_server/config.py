@@ -16,8 +16,8 @@ PASS_TOKENS = {"cpu": 256, "cuda": 2048}
 """--max-batch-tokens where it is left out, by the stage's device. A CPU's pass is compute-bound from a few dozen
 rows on, so a larger one costs the same per token and only holds the next stage, and every stream whose next token
 waits on it, back longer: on a 2-stage ~270M chain at 64 streams passes of 256 gave 1.08x the tokens/s of 2048 and
-the streams' first tokens ~22% sooner (README, "Passes of 256 tokens on a CPU"). A GPU's pass gains from rows into
-the thousands."""
+the streams' first tokens ~22% sooner (docs/decisions.md, "Passes of 256 tokens on a CPU"). A GPU's pass gains
+from rows into the thousands."""
 
 
 @dataclass
@@ -42,7 +42,7 @@ class BatcherConfig:
     """Torch threads for the decode passes of a stage that serves one session, where they run on its compute
     thread (0: --threads). A lone stream's stages take turns, so the one whose turn it is may use the cores the
     others are not using: where one thread streams half the memory's bandwidth, as on this project's Intel VMs, a
-    2-stage chain of 1-thread stages decoded a ~270M stream 1.3-1.6x faster with 2 (README, "A lone session's
+    2-stage chain of 1-thread stages decoded a ~270M stream 1.3-1.6x faster with 2 (docs/decisions.md, "A lone session's
     stages take the chain's cores")."""
 
     def __post_init__(self) -> None:

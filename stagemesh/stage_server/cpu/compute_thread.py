@@ -5,7 +5,7 @@ OpenMP keeps a thread team for each thread that runs parallel work, and libgomp 
 parallel regions once its threads outnumber the cores (each region then wakes its workers from a futex). One
 parallel region on the event loop (its KV pool's null block zeroed there; an output log's prefill rows; a
 hidden state cast for the wire) gave a multi-threaded stage a second team for good: a 2-thread ~270M stage
-decoded at 45-50 ms/token instead of 36-37 (README, "Threads")."""
+decoded at 45-50 ms/token instead of 36-37 (docs/decisions.md, "Threads")."""
 
 from __future__ import annotations
 

@@ -3,12 +3,12 @@ decode_layers.cpp, next to this file (built by cpu_kernels.py with the kernels i
 
 Eager PyTorch spends ~25 calls through Python and the dispatcher on one layer of a decode pass; on the tiny
 model they cost more than the layer's arithmetic, and more again in a mesh, where gRPC, the event loop and the
-other processes run between two steps and leave the caches cold (README, "One call per layer"). The op does
+other processes run between two steps and leave the caches cold (docs/decisions.md, "One call per layer"). The op does
 the same math with the same kernels: the packed Linears with their norms inside (packed_weights.py), rotary
 embedding, the K/V writes, attention in place in the pool (paged_attention.py), the residual adds and
 silu(gate) * up, for all of the stage's layers at once: a call per layer cost ~80 µs between two layers of a
-~270M stage (README, "All layers in one call"). The first stage's embedding and the last stage's packed LM head
-(its final norm inside) go in the same call. Prefill chunks and mixed passes keep the layers' own forward.
+~270M stage (docs/decisions.md, "All layers in one call"). The first stage's embedding and the last stage's packed
+LM head (its final norm inside) go in the same call. Prefill chunks and mixed passes keep the layers' own forward.
 """
 
 from __future__ import annotations

@@ -3,10 +3,10 @@ packed Linear weights and its KV pool.
 
 With 4 KiB pages every 4 KiB of a stream is a TLB entry; a decode step walks hundreds of MiB of weights and, on a
 busy stage, the pool's blocks, each block's slot a page of its own. On this project's Xeon VM a float32 GEMV
-streams ~12% faster over memory on 2 MiB pages and decode attention over the pool ~15% faster (README, "Weights
-and KV on 2 MiB pages"). torch's allocator asks for huge pages only when the process starts with
-THP_MEM_ALLOC_ENABLE=1, and then for every large temporary too; here the two long-lived regions ask for them and
-nothing else does.
+streams ~12% faster over memory on 2 MiB pages and decode attention over the pool ~15% faster
+(docs/decisions.md, "Weights and KV on 2 MiB pages"). torch's allocator asks for huge pages only when the process
+starts with THP_MEM_ALLOC_ENABLE=1, and then for every large temporary too; here the two long-lived regions ask for
+them and nothing else does.
 
 Where the kernel offers no transparent huge pages (`never`), or off Linux, the memory is ordinary and zeroed all
 the same. The cost is at the first touch: a 2 MiB page is zeroed whole, and on a VM whose host backs guest memory

@@ -7,7 +7,7 @@ small-batch sgemm reads the weight about once per row, so a busy stage's decode 
 runs no faster on two threads than on one. The kernel reads each panel once per pass, for all the pass's rows,
 and splits the panels across the threads: over one ~270M stage's Linears (8 layers), 1 row 19 ms against MKL's
 23 on one thread and 14 against 22 on two; 4 rows 33 against 65; 16 rows 100 against 121; prefill chunks of 256
-rows about even (README, "Packed weights"). The panels replace the weight: the same memory, held once.
+rows about even (docs/decisions.md, "Packed weights"). The panels replace the weight: the same memory, held once.
 
 Each output is one chain of fused multiply-adds over the input features in order, so it rounds differently from
 MKL (another order of the same float32 sums; ~1e-6 relative), and a row's result does not depend on the other
@@ -15,7 +15,7 @@ rows of its pass.
 
 The RMSNorm before a packed Linear (each decoder layer's two, and the final norm before an untied LM head) runs
 inside the Linear's call: eager PyTorch spends half a dozen small ops on a norm, which on the tiny model cost a
-fifth of a decode pass and on the ~270M model 7% (README, "The norm inside the Linear").
+fifth of a decode pass and on the ~270M model 7% (docs/decisions.md, "The norm inside the Linear").
 
 With --quantize int8-weight-only the panels hold the int8 weights (quantize.Int8WeightLinear's, one scale per
 output column), each panel's 16 scales after its rows, and the kernel widens them to float32 as it reads them: a

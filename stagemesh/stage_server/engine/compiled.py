@@ -4,7 +4,7 @@ A pass whose every row is one session's one new token (the batcher's decode pass
 decode pass of stage_server/engine/decode_graph.py, compiled once per stage: all layers, K/V writes into the paged
 pool, masks and gathers, the LM head. Anything else (prefill chunks, passes that mix them with decode steps)
 runs eager, as without the flag. Per-module compilation (each MLP, norm and the LM head apart) was measured
-slower than eager on this CPU (README, Performance) and is gone.
+slower than eager on this CPU (docs/performance.md) and is gone.
 
 Shapes: the batch size B and the block-table width nb (key blocks) are dynamic, so a stage compiles two graphs
 (B = 1, which dynamo specialises, and B >= 2) rather than one per size; nb is at least 2 for the same reason.

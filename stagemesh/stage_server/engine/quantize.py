@@ -4,7 +4,7 @@ Two paths. On the CPU in float32, `--quantize int8` uses torch.ao's dynamic quan
 weights with a per-output-channel scale, activations quantized per batch on the fly, int8 kernels;
 it reads a quarter of the bytes per token and is ~3× faster on this kind of machine. Everywhere else
 (CUDA, bfloat16/float16), and with `--quantize int8-weight-only` on any device, Int8WeightLinear keeps
-the same int8 weights and per-channel scales, the activations in the model's dtype (more accurate: README,
+the same int8 weights and per-channel scales, the activations in the model's dtype (more accurate: docs/performance.md,
 "Speed levers"). On a CPU float32 stage with packed weights (the default) those go into int8 panels for
 stagemesh's kernel, which widens them as it reads them (packed_weights.py: one stream 2.3x float32, faster than
 torch.ao's int8 at a few rows, slower at prefill). On the CPU in bfloat16 it runs torch's int8 weight-only

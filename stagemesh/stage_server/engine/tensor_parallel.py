@@ -7,7 +7,7 @@ are row-parallel: each rank's partial product is summed over the ranks by ONE al
 projection, and their bias is added once, after it. Embeddings, norms and the LM head are replicated:
 every rank embeds the token ids itself (a broadcast of T ids is cheaper than of [T, hidden]), and only
 rank 0 runs the final norm and LM head — a vocabulary split would add a gather of the logits per step,
-which on one host's shared cores or memory bandwidth saves little of the LM head's time; see README.
+which on one host's shared cores or memory bandwidth saves little of the LM head's time; see docs/decisions.md.
 
 Rank 0 is the stage server: it owns the gRPC endpoint, sessions, KV admission and the batcher. Its
 model carries a forward pre-hook that, before every pass, broadcasts what the pass needs (the token ids
