@@ -5,17 +5,17 @@ BIN := $(VENV)/bin
 MODEL ?=
 STAGES ?= 2
 
-.PHONY: install run test lint protos bench clean
+.PHONY: install run test lint protos bench clean constraints
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 
 # torch first, by exact version: 2.13.0 resolves to the CPU build kept on local disk here
-# (a GPU host gets the CUDA build of the same version).
-$(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[dev]'
+# (a GPU host gets the CUDA build of the same version). Everything at the versions the suite passed with.
+$(VENV)/.installed: pyproject.toml constraints.txt | $(BIN)/python
+	$(BIN)/pip install --quiet -c constraints.txt torch==2.13.0
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev]'
 	touch $@
 
 install: $(VENV)/.installed
@@ -37,6 +37,13 @@ run: install
 
 bench: install
 	$(BIN)/python scripts/bench.py --quick
+
+# After an upgrade, with the suite green: pin what is installed now.
+constraints: install
+	{ echo "# The versions the suite last passed with: CI and \`make install\` install with \`-c constraints.txt\`."; \
+	  echo "# Regenerate after an upgrade with the suite green: make constraints."; \
+	  $(BIN)/pip freeze --exclude-editable | sed -E 's/^torch==([0-9.]+)\+cpu/torch==\1/; s/^([a-z_-]+) @ .*\/[a-z_]+-([0-9][0-9.]*)-.*/\1==\2/' \
+	  | sort -f; } > constraints.txt
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

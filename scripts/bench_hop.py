@@ -28,10 +28,10 @@ sys.path.insert(0, str(ROOT))
 import grpc  # noqa: E402
 from grpc import aio  # noqa: E402
 
-import stagemesh  # noqa: E402  (its setting, for the arms: each process gets GRPC_EXPERIMENTS in its environment)
+from stagemesh.grpc_transport import GRPC_TRANSPORT_EXPERIMENTS  # noqa: E402  (each arm's process gets it in its env)
 
 METHOD = "/stagemesh.bench.Echo/Stream"
-ARMS = {"stagemesh": stagemesh.GRPC_TRANSPORT_EXPERIMENTS, "grpc default": ""}  # each process's GRPC_EXPERIMENTS
+ARMS = {"stagemesh": GRPC_TRANSPORT_EXPERIMENTS, "grpc default": ""}  # each process's GRPC_EXPERIMENTS
 
 
 def _same(b: bytes) -> bytes:
@@ -98,7 +98,7 @@ def main() -> None:
         print(asyncio.run(round_trips(args.client, args.size, args.n, warm=max(100, args.n // 10))))
         return
     print(f"round trip on one grpc.aio stream between two processes, µs (medians of {args.rounds} rounds of "
-          f"{args.n}); stagemesh sets GRPC_EXPERIMENTS={stagemesh.GRPC_TRANSPORT_EXPERIMENTS}")
+          f"{args.n}); stagemesh sets GRPC_EXPERIMENTS={GRPC_TRANSPORT_EXPERIMENTS}")
     for size in (int(s) for s in args.sizes.split(",")):
         got: dict[str, list[float]] = {arm: [] for arm in ARMS}
         for r in range(args.rounds):

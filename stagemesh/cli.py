@@ -13,7 +13,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from stagemesh import launcher, tls
+from stagemesh import (
+    __version__,
+    grpc_transport,  # noqa: F401  (first: sets gRPC's transport before grpc is imported)
+    launcher,
+    tls,
+)
 from stagemesh.certs import CertsConfig, run_certs
 from stagemesh.config_flags import add_flags, from_args
 from stagemesh.launcher import UpConfig
@@ -119,12 +124,16 @@ def _stop_with_parent() -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="stagemesh", description="Distributed LLM inference over gRPC.")
+    version = f"stagemesh {__version__}"
+    p.add_argument("--version", action="version", version=version)
     # The one flag that is no service's knob: every command's logging, set up before its config is built.
     p.add_argument("--log-level", default=os.environ.get("STAGEMESH_LOG_LEVEL", "info"),
                    help="debug, info, warning or error (default: $STAGEMESH_LOG_LEVEL, else info)")
     sub = p.add_subparsers(dest="command", required=True)
     for name, command in COMMANDS.items():
-        add_flags(sub.add_parser(name, help=command.help, description=command.help), command.config)
+        parser = sub.add_parser(name, help=command.help, description=command.help)
+        parser.add_argument("--version", action="version", version=version)
+        add_flags(parser, command.config)
     return p
 
 

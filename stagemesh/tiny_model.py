@@ -12,13 +12,8 @@ From the command line: ``python scripts/make_tiny_model.py OUT --family llama|mi
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
-
-# Never talk to a model hub, not even for metadata.
-os.environ["HF_HUB_OFFLINE"] = "1"
-os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
 FAMILIES = ("llama", "mistral", "qwen2")
 DTYPES = ("float32", "bfloat16")

@@ -1,19 +1,25 @@
 """OpenTelemetry tracing, off unless a process is given `--otlp-endpoint`: one span per gRPC call on
 each side of every hop (caller -> router -> each stage), joined into one trace by the `traceparent`
 metadata that OpenTelemetry's own gRPC instrumentation carries. It instruments grpc.aio globally, so
-call it before any server or channel is made."""
+call it before any server or channel is made. OpenTelemetry is the `otel` extra (pip install 'stagemesh[otel]');
+without it tracing stays off and --otlp-endpoint is refused by name."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from opentelemetry import context as otel_context
-from opentelemetry import propagate, trace
-from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-from opentelemetry.instrumentation.grpc import GrpcAioInstrumentorClient, GrpcAioInstrumentorServer, filters
-from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
+try:  # an optional dependency (the otel extra)
+    from opentelemetry import context as otel_context
+    from opentelemetry import propagate, trace
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    from opentelemetry.instrumentation.grpc import GrpcAioInstrumentorClient, GrpcAioInstrumentorServer, filters
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
+
+    OTEL = True
+except ImportError:
+    OTEL = False
 
 _instruments: list = []
 _provider: TracerProvider | None = None
@@ -31,6 +37,8 @@ def setup_tracing(service: str, endpoint: str | None, exporter: SpanExporter | N
     or to `exporter` (tests). Nothing happens without either. True if tracing is on."""
     if not endpoint and exporter is None:
         return False
+    if not OTEL:
+        raise ValueError("--otlp-endpoint needs OpenTelemetry, which is not installed: pip install 'stagemesh[otel]'")
     global _provider
     provider = _provider = TracerProvider(resource=Resource.create({"service.name": service}))
     if exporter is not None:

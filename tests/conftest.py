@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from stagemesh import grpc_transport  # noqa: F401, I001  (first of ours: gRPC's transport, as a service process sets it)
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 torch.set_num_threads(2)

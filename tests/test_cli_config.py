@@ -9,6 +9,7 @@ import typing
 
 import pytest
 
+import stagemesh
 from stagemesh import cli
 from stagemesh.config_flags import from_args
 from stagemesh.launcher import UpConfig
@@ -46,8 +47,9 @@ def subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentPa
 
 
 def flags(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
-    """Every option string but --help; a positional argument (not the subcommand) shows up as its dest."""
-    return {s: a for a in parser._actions if not isinstance(a, argparse._HelpAction | argparse._SubParsersAction)
+    """Every option string but --help and --version; a positional argument (not the subcommand) shows up as its dest."""
+    return {s: a for a in parser._actions
+            if not isinstance(a, argparse._HelpAction | argparse._VersionAction | argparse._SubParsersAction)
             for s in a.option_strings or [a.dest]}
 
 
@@ -276,3 +278,11 @@ def test_configs_built_directly_check_their_bounds_too():
     # A chunk as large as the budget fits a pass; 0 (no chunking) is a deliberate choice: allowed.
     assert UpConfig(prefill_chunk=64, max_batch_tokens=64).prefill_chunk == 64
     assert UpConfig(prefill_chunk=0, max_batch_tokens=64).prefill_chunk == 0
+
+
+@pytest.mark.parametrize("command", [[], *([name] for name in cli.COMMANDS)])
+def test_every_subcommand_says_its_version(command, capsys):
+    with pytest.raises(SystemExit) as done:
+        cli.build_parser().parse_args([*command, "--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.strip() == f"stagemesh {stagemesh.__version__}"

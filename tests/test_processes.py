@@ -13,8 +13,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from safetensors import safe_open
 
-import stagemesh
 from stagemesh.checkpoint import ModelFootprint
+from stagemesh.grpc_transport import GRPC_TRANSPORT_EXPERIMENTS
 from stagemesh.launcher import stage_budget_gb, stage_env, start_local_mesh, wait_for_chains
 from stagemesh.router.server import RouterConfig
 from stagemesh.v1 import router_pb2, router_pb2_grpc, stage_pb2, stage_pb2_grpc
@@ -158,8 +158,16 @@ def imported(code: str, env: dict[str, str]) -> tuple[str, list[str]]:
 def test_a_service_process_sets_grpcs_transport_before_grpc_loads():
     env = {k: v for k, v in os.environ.items() if k != "GRPC_EXPERIMENTS"}
     printed, modules = imported("import os, stagemesh.cli; print(os.environ['GRPC_EXPERIMENTS'])", env)
-    assert printed == stagemesh.GRPC_TRANSPORT_EXPERIMENTS
-    assert modules.index("stagemesh") < modules.index("grpc")  # grpc reads the variable when it loads
+    assert printed == GRPC_TRANSPORT_EXPERIMENTS
+    assert modules.index("stagemesh.grpc_transport") < modules.index("grpc")  # grpc reads it when it loads
+
+
+def test_a_library_user_importing_stagemesh_keeps_grpcs_defaults():
+    """Importing stagemesh's stubs or client changes nothing in the user's process (issue 47)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("GRPC_EXPERIMENTS", "HF_HUB_OFFLINE")}
+    printed, _ = imported("import os, stagemesh, stagemesh.v1.router_pb2_grpc, stagemesh.tiny_model; "
+                          "print(os.environ.get('GRPC_EXPERIMENTS'), os.environ.get('HF_HUB_OFFLINE'))", env)
+    assert printed == "None None"
 
 
 def test_a_users_own_grpc_experiments_are_kept():

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
+import importlib
 import ipaddress
 import os
 from dataclasses import dataclass
+from types import ModuleType
 
 import grpc
 
-from stagemesh.discovery.consul import ConsulRegistry
 from stagemesh.discovery.embedded import EmbeddedRegistryClient
-from stagemesh.discovery.etcd import EtcdRegistry
 from stagemesh.discovery.registry import Registry, split_address
 from stagemesh.tls import Tls
 
@@ -134,6 +134,16 @@ def etcd_target(url: str, tls: Tls | None = None, env: dict[str, str] | None = N
     return EtcdTarget(target, rest, True, ca, cert, members[0][0] if ips else None, user)
 
 
+def backend(name: str, extra: str) -> ModuleType:
+    """stagemesh.discovery.<name>, whose client library is the `extra` extra (imported only where its registry is
+    used, so that a router or stage on the embedded registry needs neither etcd's nor Consul's client)."""
+    try:
+        return importlib.import_module(f"stagemesh.discovery.{name}")
+    except ImportError as exc:
+        raise ValueError(f"the {name} registry needs {exc.name}, which is not installed: "
+                         f"pip install 'stagemesh[{extra}]'") from None
+
+
 def open_registry(url: str, tls: Tls | None = None) -> Registry:
     """local://HOST:PORT or HOST:PORT: the embedded registry the scheduler serves there (over gRPC; mutual
     TLS with tls). consul://HOST[:PORT] or consul+https://HOST[:PORT]: a Consul agent (see consul_target);
@@ -147,10 +157,12 @@ def open_registry(url: str, tls: Tls | None = None) -> Registry:
         return EmbeddedRegistryClient(rest, tls=tls)
     if scheme in CONSUL_PORTS:
         target = consul_target(url, tls)
-        return ConsulRegistry(target.host, target.port, token=target.token, scheme=target.scheme,
-                              verify=target.verify, cert=target.cert, grpc_check_tls=tls is not None)
+        consul = backend("consul", "consul")
+        return consul.ConsulRegistry(target.host, target.port, token=target.token, scheme=target.scheme,
+                                     verify=target.verify, cert=target.cert, grpc_check_tls=tls is not None)
     if scheme in ETCD_SCHEMES:
         target = etcd_target(url, tls)
-        return EtcdRegistry(target.target, credentials=target.credentials(), server_name=target.server_name,
-                            user=target.user, address=target.address)
+        etcd = backend("etcd", "etcd")
+        return etcd.EtcdRegistry(target.target, credentials=target.credentials(), server_name=target.server_name,
+                                 user=target.user, address=target.address)
     raise ValueError(f"registry URL {url!r}: {URL_FORMS}")
