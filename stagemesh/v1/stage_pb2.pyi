@@ -198,7 +198,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StageInfo(_message.Message):
-    __slots__ = ("model", "family", "layer_start", "layer_end", "num_layers", "is_first", "is_last", "dtype", "device", "hidden_size", "vocab_size", "max_position", "weight_bytes", "peak_rss_bytes", "open_sessions", "kv_used_bytes", "kv_capacity_bytes", "queued_steps", "step_ms", "pass_ms", "load_s", "max_batch_tokens", "fingerprint", "kv_block_size", "kv_blocks_used", "kv_blocks_total", "kv_preemptions", "decode_phase_seconds", "decode_steps", "tp_size", "output_log_bytes", "output_logs_dropped", "kv_prefix_blocks", "kv_prefix_hit_positions")
+    __slots__ = ("model", "family", "layer_start", "layer_end", "num_layers", "is_first", "is_last", "dtype", "device", "hidden_size", "vocab_size", "max_position", "weight_bytes", "peak_rss_bytes", "open_sessions", "kv_used_bytes", "kv_capacity_bytes", "queued_steps", "step_ms", "pass_ms", "load_s", "max_batch_tokens", "fingerprint", "kv_block_size", "kv_blocks_used", "kv_blocks_total", "kv_preemptions", "decode_phase_seconds", "decode_steps", "tp_size", "output_log_bytes", "output_logs_dropped", "kv_prefix_blocks", "kv_prefix_hit_positions", "attention_kernel", "packed_weights", "cuda_graphs")
     class DecodePhaseSecondsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -240,6 +240,9 @@ class StageInfo(_message.Message):
     OUTPUT_LOGS_DROPPED_FIELD_NUMBER: _ClassVar[int]
     KV_PREFIX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     KV_PREFIX_HIT_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_KERNEL_FIELD_NUMBER: _ClassVar[int]
+    PACKED_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    CUDA_GRAPHS_FIELD_NUMBER: _ClassVar[int]
     model: str
     family: str
     layer_start: int
@@ -274,4 +277,7 @@ class StageInfo(_message.Message):
     output_logs_dropped: int
     kv_prefix_blocks: int
     kv_prefix_hit_positions: int
-    def __init__(self, model: _Optional[str] = ..., family: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_layers: _Optional[int] = ..., is_first: _Optional[bool] = ..., is_last: _Optional[bool] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_position: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., peak_rss_bytes: _Optional[int] = ..., open_sessions: _Optional[int] = ..., kv_used_bytes: _Optional[int] = ..., kv_capacity_bytes: _Optional[int] = ..., queued_steps: _Optional[int] = ..., step_ms: _Optional[float] = ..., pass_ms: _Optional[float] = ..., load_s: _Optional[float] = ..., max_batch_tokens: _Optional[int] = ..., fingerprint: _Optional[str] = ..., kv_block_size: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_preemptions: _Optional[int] = ..., decode_phase_seconds: _Optional[_Mapping[str, float]] = ..., decode_steps: _Optional[int] = ..., tp_size: _Optional[int] = ..., output_log_bytes: _Optional[int] = ..., output_logs_dropped: _Optional[int] = ..., kv_prefix_blocks: _Optional[int] = ..., kv_prefix_hit_positions: _Optional[int] = ...) -> None: ...
+    attention_kernel: str
+    packed_weights: bool
+    cuda_graphs: int
+    def __init__(self, model: _Optional[str] = ..., family: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_layers: _Optional[int] = ..., is_first: _Optional[bool] = ..., is_last: _Optional[bool] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_position: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., peak_rss_bytes: _Optional[int] = ..., open_sessions: _Optional[int] = ..., kv_used_bytes: _Optional[int] = ..., kv_capacity_bytes: _Optional[int] = ..., queued_steps: _Optional[int] = ..., step_ms: _Optional[float] = ..., pass_ms: _Optional[float] = ..., load_s: _Optional[float] = ..., max_batch_tokens: _Optional[int] = ..., fingerprint: _Optional[str] = ..., kv_block_size: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_preemptions: _Optional[int] = ..., decode_phase_seconds: _Optional[_Mapping[str, float]] = ..., decode_steps: _Optional[int] = ..., tp_size: _Optional[int] = ..., output_log_bytes: _Optional[int] = ..., output_logs_dropped: _Optional[int] = ..., kv_prefix_blocks: _Optional[int] = ..., kv_prefix_hit_positions: _Optional[int] = ..., attention_kernel: _Optional[str] = ..., packed_weights: _Optional[bool] = ..., cuda_graphs: _Optional[int] = ...) -> None: ...

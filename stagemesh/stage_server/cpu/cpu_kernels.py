@@ -5,9 +5,12 @@
 
 They are built with the host's C++ compiler against the installed torch, for the CPU's vector capability, into
 one library kept in a cache keyed by the sources, torch and the flags (built once per machine, ~20 s; a file
-lock makes concurrent stages wait for one build, and a build killed half-way leaves nothing behind). A host where
-they cannot be built (no compiler, a failed build) logs why, once, and runs torch's ops instead: decode
-attention by gather + SDPA, Linears by torch's matrix products.
+lock makes concurrent stages wait for one build, and a build killed half-way leaves nothing behind). A library is
+loaded only from a folder this user owns and no one else may write to. A host where they cannot be built (no
+compiler, a failed build, a cache folder that fails that check) logs why, once, and runs torch's ops instead:
+decode attention by gather + SDPA, Linears by torch's matrix products; STAGEMESH_CPU_KERNELS=0 in the environment
+chooses that path on purpose. They are not built when the wheel is: that would need torch in the build
+environment, a multi-GB download for every install; the first stage on a machine builds them instead.
 """
 
 from __future__ import annotations
@@ -39,6 +42,9 @@ VECTOR_FLAGS = {
 }
 """By torch's reading of the CPU (torch.backends.cpu.get_cpu_capability()); any other: the compiler's default."""
 
+OFF_ENV = "STAGEMESH_CPU_KERNELS"
+"""0 (or off, false, no): never build nor load the kernels; every stage of the process runs torch's ops."""
+
 _lock = threading.Lock()
 _loaded = False
 _failure: str | None = None
@@ -53,6 +59,10 @@ def load() -> bool:
     be, logged once."""
     global _loaded, _failure
     with _lock:
+        if not _loaded and _failure is None and os.environ.get(OFF_ENV, "1").lower() in ("0", "off", "false", "no"):
+            _failure = f"{OFF_ENV}={os.environ[OFF_ENV]}"
+            log.info(f"the CPU kernels are off ({_failure}): decode attention gathers K/V for SDPA, and Linear "
+                     "weights stay in torch's layout")
         if not _loaded and _failure is None:
             t0 = time.perf_counter()
             try:
@@ -100,10 +110,14 @@ def _build() -> tuple[Path, bool]:
     key = hashlib.sha256(b"\0".join([*(s.read_bytes() for s in SOURCES + HEADERS), torch.__version__.encode(),
                                      " ".join(compile_flags + link_flags).encode(),
                                      compiler.encode()])).hexdigest()[:16]
-    folder = _writable(cache_root()) / key
-    folder.mkdir(parents=True, exist_ok=True)
+    root = _writable(cache_root())
+    _check_owned(root)
+    folder = root / key
+    folder.mkdir(mode=0o700, exist_ok=True)
+    _check_owned(folder)
     library = folder / "stagemesh_kernels.so"
     if library.exists():
+        _check_owned(library)
         return library, False
     with open(folder / "build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released if this process dies: a stale lock never blocks a build
@@ -131,10 +145,19 @@ def _run(command: list[str]) -> None:
         raise RuntimeError(f"{command[0]} exited {done.returncode}: {done.stderr.strip()}")
 
 
+def _check_owned(path: Path) -> None:
+    """Raises PermissionError unless path belongs to this user and no one else may write to it: a library loaded
+    from a cache another user can write to would run their code in this process."""
+    st = path.lstat()
+    if st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise PermissionError(f"{path} belongs to uid {st.st_uid} or is writable by others (mode "
+                              f"{st.st_mode & 0o777:o}): no library is loaded from it")
+
+
 def _writable(root: Path) -> Path:
     """root, or a folder of this user's in the temporary directory where root cannot be made."""
     try:
-        root.mkdir(parents=True, exist_ok=True)
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
         if os.access(root, os.W_OK):
             return root
     except OSError:

@@ -380,6 +380,10 @@ class StageService(stage_pb2_grpc.StageServicer):
             kv_preemptions=self.sessions.pool.preemptions,
             kv_prefix_blocks=self.sessions.pool.cached_blocks,
             kv_prefix_hit_positions=self.sessions.pool.prefix_hit_positions,
+            attention_kernel=("triton" if model.ragged_attention is not None
+                              else "cpu" if model.decode_attention is not None else ""),
+            packed_weights=any(isinstance(m, packed_weights.PackedLinear) for m in model.modules()),
+            cuda_graphs=model.pass_graphs.captures.graphs if model.pass_graphs is not None else 0,
             queued_steps=self.batcher.queued,
             step_ms=self.batcher.step_ms,
             pass_ms=self.batcher.pass_ms,
