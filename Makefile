@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 MODEL ?=
 STAGES ?= 2
 
-.PHONY: install run test lint protos bench clean constraints
+.PHONY: install run test lint protos bench clean constraints wheel-check
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,11 @@ lint: install
 test: install
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -ra -n auto --maxprocesses 4 --dist loadfile
+
+# The package as users get it: the wheel's contents, the wheel alone in a fresh venv serving a mesh, every extra
+# beside the current openai, fastapi and numpy (scripts/check_wheel.sh). CI runs it after the suite.
+wheel-check: install
+	PYTHON=$(PYTHON) scripts/check_wheel.sh
 
 run: install
 	$(BIN)/stagemesh up --stages $(STAGES) $(if $(MODEL),--model $(MODEL),)
