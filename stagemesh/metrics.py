@@ -1,11 +1,38 @@
-"""Prometheus metrics of the router and the stage servers (`--metrics-port`; scrape /metrics)."""
+"""Prometheus metrics of the router, the stage servers, the scheduler and the embedded registry (`--metrics-port`;
+scrape /metrics). Every name starts with stagemesh_; deploy/grafana and deploy/prometheus chart and alert on them
+(tests/test_deploy.py holds them to the names defined here)."""
 
 from __future__ import annotations
+
+import importlib.metadata
 
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600)
+"""A whole request: from a fraction of a second (a few tokens) to minutes (thousands of tokens)."""
 OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 0.5, 2.5)
+
+# Every process
+BUILD_INFO = Gauge("stagemesh_build_info",
+                   "1 for each component this process runs (router, stage, scheduler, registry), with the model it "
+                   "serves (empty for the registry, which serves every model) and stagemesh's version: join on it "
+                   "(`* on(instance) group_left(model) stagemesh_build_info{component=\"router\"}`) for a "
+                   "per-model view",
+                   ["component", "model", "version"])
+
+
+def version() -> str:
+    try:
+        return importlib.metadata.version("stagemesh")
+    except importlib.metadata.PackageNotFoundError:  # a checkout run without installing it
+        return "unknown"
+
+
+def announce(component: str, model: str = "") -> None:
+    """Sets stagemesh_build_info for one component of this process."""
+    BUILD_INFO.labels(component, model, version()).set(1)
+
 
 # Router
 REQUESTS = Counter("stagemesh_router_requests_total", "Generate requests by how they ended", ["status"])
@@ -18,9 +45,17 @@ def count_request(status: str, caller: str) -> None:
     REQUESTS.labels(status).inc()
     CALLER_REQUESTS.labels(caller, status).inc()
 TOKENS = Counter("stagemesh_router_tokens_total", "Tokens streamed to callers")
+PROMPT_TOKENS = Counter("stagemesh_router_prompt_tokens_total", "Prompt tokens of the requests admitted")
 TIME_TO_FIRST_TOKEN = Histogram("stagemesh_router_time_to_first_token_seconds",
                                 "From request arrival to its first token", ["priority_class"],
                                 buckets=LATENCY_BUCKETS)
+INTER_TOKEN = Histogram("stagemesh_router_inter_token_seconds",
+                        "Between a token streamed to the caller and the next one: one observation per token after "
+                        "a request's first (tokens that leave together count the gap once, the others 0)",
+                        ["priority_class"], buckets=LATENCY_BUCKETS)
+REQUEST_SECONDS = Histogram("stagemesh_router_request_seconds",
+                            "End to end: from a request's arrival to its last token, for requests that finished "
+                            "(status OK)", ["priority_class"], buckets=REQUEST_BUCKETS)
 QUEUE_WAIT = Histogram("stagemesh_router_queue_wait_seconds", "Time spent waiting for admission",
                        ["priority_class"], buckets=LATENCY_BUCKETS)
 WAITING = Gauge("stagemesh_router_waiting_requests", "Requests waiting for admission")
@@ -69,6 +104,43 @@ EAGER_PASSES = Counter("stagemesh_stage_eager_passes_total",
 GRAPH_CAPTURE_FAILURES = Counter("stagemesh_stage_graph_capture_failures_total",
                                  "CUDA graph captures that failed in a warm-up (the stage serves those passes eager)")
 STALLED = Gauge("stagemesh_stage_stalled", "1 while steps wait and no pass finished within --stall-timeout-s")
+
+# Scheduler (every scheduler process; only the leader plans)
+SCHEDULER_LEADER = Gauge("stagemesh_scheduler_is_leader", "1 while this scheduler holds the leader lock")
+SCHEDULER_TAKEOVERS = Counter("stagemesh_scheduler_leadership_acquired_total",
+                              "Times this scheduler took the leader lock")
+CHAINS_PUBLISHED = Gauge("stagemesh_scheduler_chains_published",
+                         "Chains in the table this scheduler last published (0 while it stands by)")
+CHAIN_TABLE_WRITES = Counter("stagemesh_scheduler_chain_table_writes_total",
+                             "Chain tables written, by outcome: ok, or conflict (someone else wrote it meanwhile)",
+                             ["outcome"])
+STAGES_SEEN = Gauge("stagemesh_scheduler_stages", "Stage registrations the leader's last reconcile saw, by state: "
+                    "passing (heartbeating), critical (late), assigned (passing, with a layer range)", ["state"])
+RECONCILE_SECONDS = Histogram("stagemesh_scheduler_reconcile_seconds",
+                              "One reconcile of the leader: plan, assignments written, chain table published",
+                              buckets=LATENCY_BUCKETS)
+
+# Embedded registry (stagemesh registry, or a scheduler with --registry local)
+REGISTRY_SERVICES = Gauge("stagemesh_registry_services", "Registered services, by state: passing or critical",
+                          ["state"])
+REGISTRY_KV_KEYS = Gauge("stagemesh_registry_kv_keys", "Keys in the registry's key-value store (locks included)")
+REGISTRY_WATCHERS = Gauge("stagemesh_registry_watch_waiters", "Watch calls waiting for a change now")
+REGISTRY_EXPIRIES = Counter("stagemesh_registry_lease_expiries_total",
+                            "Leases that ran out: service (no heartbeat within its TTL: critical), deregistered "
+                            "(critical for its deregister delay: removed), lock (a lock not renewed: freed)",
+                            ["kind"])
+
+
+def observe_inter_token(gap_s: float | None, tokens: int, priority_class: str) -> None:
+    """INTER_TOKEN for `tokens` streamed together gap_s after the request's previous token: the gap once, 0 for
+    the others. gap_s None: the request's first tokens (the first one's wait is its time to first token)."""
+    if tokens <= 0:
+        return
+    observe = INTER_TOKEN.labels(priority_class).observe
+    if gap_s is not None:
+        observe(gap_s)
+    for _ in range(tokens - 1):
+        observe(0.0)
 
 
 def batch_label(steps: int) -> str:

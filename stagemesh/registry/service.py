@@ -7,7 +7,7 @@ import logging
 
 import grpc
 
-from stagemesh import grpc_server
+from stagemesh import grpc_server, metrics
 from stagemesh.discovery import embedded as er
 from stagemesh.discovery.registry import MAX_VALUE_BYTES
 from stagemesh.errors import ErrorCodes, StatusInterceptor
@@ -129,6 +129,7 @@ class RegistryServer:
 
     async def start(self) -> None:
         await self.server.start()
+        metrics.announce("registry")
         await grpc_server.set_serving(self.health, [SERVICE_NAME], True)
 
     async def stop(self, grace: float | None = 1.0) -> None:

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from stagemesh import metrics
 from stagemesh.discovery.registry import (
     MAX_WAIT_S,
     KVEntry,
@@ -60,6 +61,13 @@ class EmbeddedRegistry:
 
     # Changes, waits and expiry
 
+    def _export(self) -> None:
+        """The registry's gauges, after a change (a process runs one registry)."""
+        passing = sum(s.passing for s in self._services.values())
+        metrics.REGISTRY_SERVICES.labels("passing").set(passing)
+        metrics.REGISTRY_SERVICES.labels("critical").set(len(self._services) - passing)
+        metrics.REGISTRY_KV_KEYS.set(len(self._kv))
+
     def _bump(self) -> int:
         self._index += 1
         self._changed.set()
@@ -69,13 +77,19 @@ class EmbeddedRegistry:
     async def _wait(self, index: int, timeout_s: float, current: Callable[[], int]) -> None:
         """Returns once current() moved off index, or after timeout_s; at once for index 0."""
         deadline = time.monotonic() + min(max(timeout_s, 0.0), MAX_WAIT_S)
-        while index > 0 and current() == index:
-            changed = self._changed
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(changed.wait(), remaining)
+        if index <= 0 or current() != index:
+            return
+        metrics.REGISTRY_WATCHERS.inc()
+        try:
+            while current() == index:
+                changed = self._changed
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(changed.wait(), remaining)
+        finally:
+            metrics.REGISTRY_WATCHERS.dec()
 
     def _start_reaper(self) -> None:
         self._wake_reaper.set()
@@ -98,17 +112,21 @@ class EmbeddedRegistry:
         for service_id, s in list(self._services.items()):
             if s.passing and now >= s.deadline:
                 s.passing, changed = False, True
+                metrics.REGISTRY_EXPIRIES.labels("service").inc()
             if not s.passing and now >= s.deadline + s.deregister_after_s:
                 del self._services[service_id]
                 changed = True
+                metrics.REGISTRY_EXPIRIES.labels("deregistered").inc()
             else:
                 upcoming.append(s.deadline if s.passing else s.deadline + s.deregister_after_s)
         if changed:
             self._services_index = self._bump()
+            self._export()
         for key, entry in list(self._kv.items()):
             if entry.holder is not None:
                 if now >= entry.expires:
                     self._delete(key)
+                    metrics.REGISTRY_EXPIRIES.labels("lock").inc()
                 else:
                     upcoming.append(entry.expires)
         return min(upcoming, default=None)
@@ -128,6 +146,7 @@ class EmbeddedRegistry:
         check_ttl("deregister_after_s", after)
         self._services[record.service_id] = _Service(record.copy(), ttl_s, after, time.monotonic() + ttl_s)
         self._services_index = self._bump()
+        self._export()
         self._start_reaper()
 
     async def heartbeat(self, service_id: str) -> bool:
@@ -138,11 +157,13 @@ class EmbeddedRegistry:
         if not s.passing:
             s.passing = True
             self._services_index = self._bump()
+            self._export()
         return True
 
     async def deregister(self, service_id: str) -> None:
         if self._services.pop(service_id, None) is not None:
             self._services_index = self._bump()
+            self._export()
 
     async def services(self, model: str | None = None) -> list[ServiceStatus]:
         return [ServiceStatus(s.record.copy(), s.passing) for _, s in sorted(self._services.items())
@@ -163,11 +184,13 @@ class EmbeddedRegistry:
         else:
             entry.value, entry.modify_index = value, index
         self._tombstones.pop(key, None)
+        self._export()
         return entry
 
     def _delete(self, key: str) -> None:
         if self._kv.pop(key, None) is not None:
             self._tombstones[key] = self._bump()
+            self._export()
 
     def _key_index(self, key: str) -> int:
         entry = self._kv.get(key)

@@ -119,8 +119,10 @@ class RouterService(router_pb2_grpc.RouterServicer):
             metrics.count_request(exc.code.name, req.caller)
             raise
         metrics.QUEUE_WAIT.labels(cls).observe(time.perf_counter() - arrived)
+        metrics.PROMPT_TOKENS.inc(len(req.prompt_ids))
         status = "CANCELLED"
         first = True
+        last_token_at: float | None = None
         log.info(f"generate: {len(req.prompt_ids)} prompt tokens, up to {req.max_new_tokens} new, "
                  f"priority {req.priority}", extra=extra)
         try:
@@ -128,9 +130,14 @@ class RouterService(router_pb2_grpc.RouterServicer):
             async with contextlib.aclosing(generate(req, self.chains, self.tokenizer, self.eos_ids,
                                                     self.config)) as pieces:
                 async for piece in pieces:
+                    now = time.perf_counter()
                     if first:
-                        metrics.TIME_TO_FIRST_TOKEN.labels(cls).observe(time.perf_counter() - arrived)
+                        metrics.TIME_TO_FIRST_TOKEN.labels(cls).observe(now - arrived)
                         first = False
+                    if piece.token_ids:
+                        metrics.observe_inter_token(None if last_token_at is None else now - last_token_at,
+                                                    len(piece.token_ids), cls)
+                        last_token_at = now
                     metrics.TOKENS.inc(len(piece.token_ids))
                     yield router_pb2.GenerateResponse(
                         token_ids=piece.token_ids,
@@ -140,6 +147,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                         cached_tokens=piece.cached_tokens,
                     )
             status = "OK"
+            metrics.REQUEST_SECONDS.labels(cls).observe(time.perf_counter() - arrived)
         except NoUsableChain as exc:
             log.warning(str(exc), extra=extra)
             status = "UNAVAILABLE"

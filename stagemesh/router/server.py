@@ -173,6 +173,7 @@ class RouterServer:
         # NOT_SERVING (health's own default for "" is SERVING) until a first check finds a whole chain.
         await grpc_server.set_serving(self.health, [SERVICE_NAME], False)
         await self.server.start()
+        metrics.announce("router", self.config.model_name)
         await self.chains.refresh()
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self.chains.watch(self.config.health_interval_s))]

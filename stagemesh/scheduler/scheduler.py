@@ -7,12 +7,14 @@ import asyncio
 import contextlib
 import logging
 import math
+import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import get_args
 
+from stagemesh import metrics
 from stagemesh.checkpoint import (
     QUANTIZE,
     DtypeChoice,
@@ -64,12 +66,15 @@ class SchedulerConfig:
     """'local' hosts the embedded registry in this process; or local://HOST:PORT, consul://HOST:PORT,
     consul+https://HOST:PORT, etcd://HOST:PORT[,HOST:PORT...], etcd+https://HOST:PORT[,HOST:PORT...]."""
     host: str = "127.0.0.1"
-    """The address the hosted registry serves on (with --registry local)."""
+    """The address the hosted registry (with --registry local) and the metrics (--metrics-port) serve on."""
     registry_port: int = 50050
     """The hosted registry's port (with --registry local; 0 picks a free port)."""
     tls: str | None = None
     """A directory with ca.pem, mesh.pem and mesh-key.pem (`stagemesh certs`): the hosted registry serves mutual
     TLS and the scheduler reaches its registry with it (default: plaintext)."""
+    metrics_port: int | None = None
+    """Serve Prometheus metrics on this port (default: none): leadership, chains published, stages seen and
+    assigned, reconcile time; with --registry local, the hosted registry's too."""
     scheduler_id: str = field(default_factory=lambda: f"scheduler-{uuid.uuid4().hex[:8]}", metadata=NOT_A_FLAG)
     """Names the leader lock's holder: fresh in each process, since two schedulers sharing one would both lead."""
 
@@ -85,6 +90,8 @@ class SchedulerConfig:
             raise refused(self, "settle_s", "must be >= 0 seconds")
         if not 0 <= self.registry_port <= 65535:
             raise refused(self, "registry_port", PORT_RULE)
+        if self.metrics_port is not None and not 0 < self.metrics_port <= 65535:
+            raise refused(self, "metrics_port", "must be 1..65535")
 
 
 def host_of(status: ServiceStatus, num_layers: int) -> placement.Host:
@@ -159,11 +166,14 @@ class Scheduler:
     async def run(self) -> None:
         """Campaigns for the leader lock, leads while it holds it, and campaigns again if it loses it."""
         ttl = self.config.lock_ttl_s
+        metrics.announce("scheduler", self.name)
         while True:
             try:
                 if await self.registry.acquire_lock(leader_key(self.name), self.config.scheduler_id, ttl):
                     log.info(f"{self.config.scheduler_id} leads scheduling of {self.name}")
                     self.leading = True
+                    metrics.SCHEDULER_LEADER.set(1)
+                    metrics.SCHEDULER_TAKEOVERS.inc()
                     await self._lead()
                     log.warning(f"{self.config.scheduler_id} lost the leader lock; standing by")
             except RegistryError as exc:
@@ -173,6 +183,8 @@ class Scheduler:
                              exc_info=True)
             finally:
                 self.leading = False
+                metrics.SCHEDULER_LEADER.set(0)
+                metrics.CHAINS_PUBLISHED.set(0)
             await asyncio.sleep(ttl / 3)
 
     def _report(self, message: str, exc_info: bool = False) -> None:
@@ -213,7 +225,9 @@ class Scheduler:
                     return
                 renewed = loop.time()
             if loop.time() >= settled:
+                t0 = time.perf_counter()
                 await self.reconcile(services)
+                metrics.RECONCILE_SECONDS.observe(time.perf_counter() - t0)
 
     async def _write(self, key: str, value: bytes) -> bool:
         """Check-and-set against the version this leader last wrote (or read at takeover): a write that
@@ -250,6 +264,9 @@ class Scheduler:
         self.plan = new_plan
 
         wanted = new_plan.assignments()
+        metrics.STAGES_SEEN.labels("passing").set(sum(s.passing for s in services))
+        metrics.STAGES_SEEN.labels("critical").set(sum(not s.passing for s in services))
+        metrics.STAGES_SEEN.labels("assigned").set(sum(1 for sid in live if wanted.get(sid)))
         for sid, status in live.items():
             if status.record.meta.get("fixed") == "1":
                 continue
@@ -277,6 +294,9 @@ class Scheduler:
                        + (f", {waiting} waiting for their stages to load and serve" if waiting else ""))
             if not await self._write(chains_key(self.name),
                                      encode_chains(ready, f"{new_plan.explanation}\n{summary}")):
+                metrics.CHAIN_TABLE_WRITES.labels("conflict").inc()
                 return
+            metrics.CHAIN_TABLE_WRITES.labels("ok").inc()
+            metrics.CHAINS_PUBLISHED.set(len(ready))
             log.info(f"{summary}: " + "; ".join(c.label for c in ready))
             self.published = ready

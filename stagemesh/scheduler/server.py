@@ -8,6 +8,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from stagemesh import metrics
 from stagemesh.discovery.backends import open_registry
 from stagemesh.discovery.chain_table import decode_chains, published_plan
 from stagemesh.discovery.registry import chains_key
@@ -37,6 +38,7 @@ class PlanConfig:
 
 
 async def serve_scheduler(config: SchedulerConfig, registry_url: str, tls: Tls | None = None) -> None:
+    metrics.serve_metrics(config.metrics_port, config.host)
     registry = open_registry(registry_url, tls)
     scheduler = Scheduler(config, registry)
     task = asyncio.get_running_loop().create_task(scheduler.run())

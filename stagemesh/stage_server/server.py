@@ -273,6 +273,7 @@ class StageServer:
         """Starts serving: model's slice at once if given, else nothing until activate()."""
         hold_to_one_thread()  # the event loop's torch work (compute_thread.py)
         await self.server.start()
+        metrics.announce("stage", self.config.model_name)
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
         loop = asyncio.get_running_loop()
