@@ -9,6 +9,7 @@ import ctypes
 import os
 import signal
 import sys
+import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -20,9 +21,9 @@ from stagemesh import (
     tls,
 )
 from stagemesh.certs import CertsConfig, run_certs
-from stagemesh.config_flags import add_flags, from_args
+from stagemesh.config_flags import add_flags, defaults_from, deprecated_spellings, from_args
 from stagemesh.launcher import UpConfig
-from stagemesh.log import setup_logging
+from stagemesh.log import LOG_FORMATS, setup_logging
 from stagemesh.processes import PARENT_PID_ENV
 from stagemesh.registry.config import RegistryConfig
 from stagemesh.registry.service import serve_registry, start_registry_server
@@ -122,25 +123,93 @@ def _stop_with_parent() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def _logging_flags(parser: argparse.ArgumentParser, top: bool) -> None:
+    """--log-level and --log-format, before the subcommand or after it (after it: only where given)."""
+    env = os.environ.get
+    parser.add_argument("--log-level", choices=LOG_LEVELS, type=str.lower,
+                        default=env("STAGEMESH_LOG_LEVEL", "info") if top else argparse.SUPPRESS,
+                        help="how much to log (default: $STAGEMESH_LOG_LEVEL, else info)")
+    parser.add_argument("--log-format", choices=tuple(LOG_FORMATS),
+                        default=env("STAGEMESH_LOG_FORMAT", "json") if top else argparse.SUPPRESS,
+                        help="json: one object per line, for a log pipeline; text: a line a person reads (default: "
+                             "$STAGEMESH_LOG_FORMAT, else json)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="stagemesh", description="Distributed LLM inference over gRPC.")
     version = f"stagemesh {__version__}"
     p.add_argument("--version", action="version", version=version)
-    # The one flag that is no service's knob: every command's logging, set up before its config is built.
-    p.add_argument("--log-level", default=os.environ.get("STAGEMESH_LOG_LEVEL", "info"),
-                   help="debug, info, warning or error (default: $STAGEMESH_LOG_LEVEL, else info)")
+    _logging_flags(p, top=True)
     sub = p.add_subparsers(dest="command", required=True)
     for name, command in COMMANDS.items():
         parser = sub.add_parser(name, help=command.help, description=command.help)
         parser.add_argument("--version", action="version", version=version)
+        parser.add_argument("--config", metavar="FILE", help="a TOML file of this command's settings (its keys are "
+                            "the flags' fields; a flag given, then $STAGEMESH_<FLAG>, win over it)")
+        _logging_flags(parser, top=False)
         add_flags(parser, command.config)
     return p
 
 
+def _subcommand(argv: list[str]) -> str | None:
+    """The subcommand argv names: its first word that is one (a value of a flag before it is not)."""
+    takes_value = ("--log-level", "--log-format")
+    return next((word for i, word in enumerate(argv)
+                 if word in COMMANDS and (i == 0 or argv[i - 1] not in takes_value)), None)
+
+
+def _config_file(argv: list[str]) -> dict:
+    """The TOML file --config names in argv (STAGEMESH_CONFIG where none does), read; {} without either."""
+    path = os.environ.get("STAGEMESH_CONFIG")
+    for i, word in enumerate(argv):
+        if word == "--config" and i + 1 < len(argv):
+            path = argv[i + 1]
+        elif word.startswith("--config="):
+            path = word.partition("=")[2]
+    if not path:
+        return {}
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"--config {path}: not TOML ({exc})") from None
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    """argv's command and settings: flags given, then STAGEMESH_<FLAG> variables, then the --config file, then
+    the defaults (stagemesh/config_flags.py, defaults_from)."""
+    parser = build_parser()
+    name = _subcommand(argv)
+    if name is not None:
+        data = _config_file(argv)
+        for key in ("log_level", "log_format"):  # the file may set these too
+            if key in data and f"--{key.replace('_', '-')}" not in argv:
+                parser.set_defaults(**{key: data.pop(key)})
+        defaults = defaults_from(COMMANDS[name].config, data, os.environ)
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[name]
+        sub.set_defaults(**defaults)
+        for action in sub._actions:
+            if action.dest in defaults:
+                action.required = False  # the environment or the file gave it
+        for old, new in deprecated_spellings(COMMANDS[name].config).items():
+            if any(word == old or word.startswith(f"{old}=") for word in argv):
+                print(f"stagemesh {name}: {old} is deprecated: use {new} (the old spelling goes in the next release)",
+                      file=sys.stderr)
+    return parser.parse_args(argv)
+
+
 def main(argv: list[str] | None = None) -> None:
     _stop_with_parent()
-    args = build_parser().parse_args(argv)
-    setup_logging(args.log_level)
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        args = parse(argv)
+    except (ValueError, OSError) as exc:
+        print(f"stagemesh {_subcommand(argv) or ''}: {exc}", file=sys.stderr)
+        sys.exit(2)
+    setup_logging(args.log_level, args.log_format)
     command = COMMANDS[args.command]
     try:
         command.run(from_args(command.config, args))

@@ -10,11 +10,18 @@ flags per key of its default, each flag prefixed with the key (`limits["high"].m
 `--high-max-waiting`).
 
 Where a field differs, `field(metadata=...)` says how:
-  "flag": the flag's name (`--session-timeout`), or None for a field that is no user knob (no flag);
+  "flag": the flag's name (`--layers`), or None for a field that is no user knob (no flag);
+  "deprecated": an old spelling of the flag, still accepted for one release (the CLI warns when it is used);
   "type": parses the flag's text (a ValueError it raises is the user's error); when several fields of one
           class share a flag (`--layers A:B` -> layer_start, layer_end), it returns their values in order;
   "choices", "metavar": as in argparse;
   "positional": True: a positional argument named after the field (`stagemesh certs DIR`), not a `--` flag.
+
+The same values can come from a TOML file (`--config FILE`) and from the environment (`STAGEMESH_<FLAG>`: the flag's
+name in capitals, dashes as underscores); a flag given wins over the environment, the environment over the file, the
+file over the defaults (defaults_from). The file's schema is the config dataclasses: a field by its name, a nested
+config as a table of its own fields (`[batcher]`), a dict of configs as a table per key (`[limits.high]`); a flag's
+own name (`layers = "0:4"`) is accepted at the top level too. A key the schema does not know is refused by name.
 """
 
 from __future__ import annotations
@@ -31,7 +38,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-FLAG, TYPE, CHOICES, METAVAR, POSITIONAL = "flag", "type", "choices", "metavar", "positional"
+FLAG, TYPE, CHOICES, METAVAR, POSITIONAL, DEPRECATED = "flag", "type", "choices", "metavar", "positional", "deprecated"
+ENV_PREFIX = "STAGEMESH_"
 NOT_A_FLAG = types.MappingProxyType({FLAG: None})
 """metadata of a field that is no user knob: it gets no flag and keeps its default."""
 PORT_RULE = "must be 0..65535 (0 picks a free port)"
@@ -44,6 +52,8 @@ class Knob:
     flag: str
     paths: tuple[tuple[str, ...], ...]
     kwargs: dict[str, Any]
+    aliases: tuple[str, ...] = ()
+    """Old spellings of the flag, still accepted."""
 
     @property
     def dest(self) -> str:
@@ -52,6 +62,11 @@ class Knob:
     @property
     def positional(self) -> bool:
         return not self.flag.startswith("--")
+
+    @property
+    def env(self) -> str:
+        """The environment variable that stands for the flag: STAGEMESH_KV_CACHE_GB for --kv-cache-gb."""
+        return ENV_PREFIX + self.dest.upper()
 
 
 @functools.cache
@@ -157,7 +172,8 @@ def _walk(cls: type, defaults: Any = None, prefix: str = "", path: tuple[str, ..
                 continue
             doc = docs.get(f.name, "")
             kwargs = _argparse_kwargs(f, hint, default, flag, f"{prefix[:-1]}: {doc}" if prefix else doc)
-            knobs[flag] = Knob(flag, ((*path, f.name),), kwargs)
+            aliases = (f"--{prefix}{f.metadata[DEPRECATED].removeprefix('--')}",) if DEPRECATED in f.metadata else ()
+            knobs[flag] = Knob(flag, ((*path, f.name),), kwargs, aliases)
     return [*knobs.values(), *nested]
 
 
@@ -177,7 +193,89 @@ def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
         if knob.positional:  # argparse takes a positional argument's dest from its name
             parser.add_argument(knob.dest, **knob.kwargs)
         else:
-            parser.add_argument(knob.flag, dest=knob.dest, **knob.kwargs)
+            parser.add_argument(knob.flag, *knob.aliases, dest=knob.dest, **knob.kwargs)
+
+
+def deprecated_spellings(cls: type) -> dict[str, str]:
+    """Each old spelling of a flag of `cls`, and the flag it now is."""
+    return {alias: knob.flag for knob in knobs(cls) for alias in knob.aliases}
+
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _env_value(knob: Knob, text: str) -> Any:
+    """A flag's value from its environment variable's text: a switch from true/false words, a repeatable flag's
+    items separated by spaces, else the text itself (argparse parses a string default as it parses the flag)."""
+    action = knob.kwargs.get("action")
+    if action in ("store_true", argparse.BooleanOptionalAction):
+        if text.strip().lower() not in (*_TRUE, *_FALSE):
+            raise ValueError(f"{knob.env}={text!r}: use one of {', '.join(_TRUE + _FALSE)}")
+        return text.strip().lower() in _TRUE
+    if action == "append":
+        parse = knob.kwargs.get("type", str)
+        return [parse(item) for item in text.split()]
+    return text
+
+
+def _leaves(tree: dict, path: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    out = []
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out += _leaves(value, (*path, key))
+        else:
+            out.append((*path, key))
+    return out
+
+
+def _lookup(tree: dict, path: tuple[str, ...]) -> Any:
+    for name in path:
+        if not isinstance(tree, dict) or name not in tree:
+            return dataclasses.MISSING
+        tree = tree[name]
+    return tree
+
+
+def _file_value(knob: Knob, data: dict) -> Any:
+    """The knob's value in a config file's data (its fields by their dataclass paths, or its flag's own name at
+    the top level), or MISSING."""
+    if (by_name := data.get(knob.dest, dataclasses.MISSING)) is not dataclasses.MISSING:
+        return by_name
+    values = [_lookup(data, path) for path in knob.paths]
+    if all(v is dataclasses.MISSING for v in values):
+        return dataclasses.MISSING
+    if len(values) > 1:  # a flag that sets several fields (--layers): every one of them, or its own name
+        if any(v is dataclasses.MISSING for v in values):
+            raise ValueError(f"give every one of {', '.join('.'.join(p) for p in knob.paths)} in the file, or "
+                             f"{knob.dest} = \"...\" as the flag takes it")
+        return tuple(values)
+    return values[0]
+
+
+def defaults_from(cls: type, file_data: dict, environ: typing.Mapping[str, str]) -> dict[str, Any]:
+    """{dest: value} for every flag of `cls` that the config file's data or the environment sets (the environment
+    winning); a flag given on the command line wins over both (they become the parser's defaults). ValueError
+    naming the key or variable for a key the schema does not know or a value out of a flag's choices."""
+    known_paths = {path for knob in knobs(cls) for path in knob.paths} | {(knob.dest,) for knob in knobs(cls)}
+    if unknown := [".".join(p) for p in _leaves(file_data) if p not in known_paths]:
+        raise ValueError(f"{', '.join(sorted(unknown))}: not a setting of this command (the config file's keys are "
+                         "the flags' fields, e.g. kv_cache_gb or [batcher] max_batch_tokens)")
+    values: dict[str, Any] = {}
+    for knob in knobs(cls):
+        if knob.positional:
+            continue
+        where, value = f"the config file's {knob.dest}", _file_value(knob, file_data)
+        if knob.env in environ:
+            where, value = knob.env, _env_value(knob, environ[knob.env])
+        if value is dataclasses.MISSING:
+            continue
+        choices = knob.kwargs.get("choices")
+        if choices is not None and not isinstance(value, str) and value not in choices:
+            raise ValueError(f"{where} = {value!r}: use one of {', '.join(map(str, choices))}")
+        if choices is not None and isinstance(value, str) and value not in map(str, choices):
+            raise ValueError(f"{where} = {value!r}: use one of {', '.join(map(str, choices))}")
+        values[knob.dest] = value
+    return values
 
 
 def from_args(cls: type, args: argparse.Namespace) -> Any:

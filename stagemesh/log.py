@@ -42,9 +42,27 @@ class _StderrHandler(logging.StreamHandler):
         pass
 
 
-def setup_logging(level: str = "info") -> None:
+class TextFormatter(logging.Formatter):
+    """One line a person reads: time, level, logger, message, then the request's fields as key=value."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        when = time.strftime("%H:%M:%S", time.localtime(record.created)) + f".{int(record.msecs):03d}"
+        fields = [f"{key}={value}" for key in _FIELDS if (value := getattr(record, key, None)) not in (None, "")]
+        line = f"{when} {record.levelname.lower():7} {record.name}: {record.getMessage()}"
+        if fields:
+            line += "  " + " ".join(fields)
+        if record.exc_info:
+            line += "\n" + self.formatException(record.exc_info)
+        return line
+
+
+LOG_FORMATS = {"json": JsonFormatter, "text": TextFormatter}
+
+
+def setup_logging(level: str = "info", log_format: str = "json") -> None:
+    """Every record to stderr, as JSON lines (for a log pipeline) or text (for a person at a terminal)."""
     handler = _StderrHandler()
-    handler.setFormatter(JsonFormatter())
+    handler.setFormatter(LOG_FORMATS[log_format]())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
+import os
 import typing
 
 import pytest
@@ -13,6 +15,7 @@ import stagemesh
 from stagemesh import cli
 from stagemesh.config_flags import from_args
 from stagemesh.launcher import UpConfig
+from stagemesh.log import setup_logging
 from stagemesh.router.generation import GenerationConfig
 from stagemesh.router.priority_queue import AdmissionConfig, ClassLimits
 from stagemesh.router.server import RouterConfig
@@ -21,9 +24,11 @@ from stagemesh.scheduler.scheduler import SchedulerConfig
 from stagemesh.stage_server.config import BatcherConfig, StageConfig
 
 COMPOSITION_FLAGS = {
-    "--log-level": "on `stagemesh` itself, before the subcommand: every process's logging, set up before its "
-                   "config is built; no service's knob",
+    "--log-level": "every process's logging, set up before its config is built; no service's knob",
+    "--log-format": "likewise",
 }
+"""On `stagemesh` itself, before the subcommand, and on every subcommand (with --config there): no config field."""
+SUBCOMMAND_FLAGS = {*COMPOSITION_FLAGS, "--config"}
 NOT_KNOBS = {
     "SchedulerConfig.scheduler_id": "the leader lock's holder id, fresh in each process: two schedulers sharing "
                                     "one would both lead",
@@ -77,6 +82,9 @@ def field_flags(cls: type, prefix: str = "", path: tuple = ()) -> tuple[dict[str
         else:
             flag = "--" + prefix + f.metadata.get("flag", f.name.replace("_", "-")).removeprefix("--")
             found.setdefault(flag, []).append((*path, f.name))
+            if "deprecated" in f.metadata:  # an old spelling, still accepted
+                found.setdefault("--" + prefix + f.metadata["deprecated"].removeprefix("--"), []).append(
+                    (*path, f.name))
             if hint is bool and default is True:  # a switch that is on by default is turned off by --no-NAME
                 found.setdefault("--no-" + flag.removeprefix("--"), []).append((*path, f.name))
     return found, excluded
@@ -110,7 +118,7 @@ def test_every_flag_is_a_config_field_and_every_knob_has_a_flag():
     for name, sub in subparsers(parser).items():
         promised, excluded = field_flags(cli.COMMANDS[name].config)
         all_excluded |= excluded
-        written = set(flags(sub))
+        written = set(flags(sub)) - SUBCOMMAND_FLAGS
         assert written - set(promised) == set(), f"stagemesh {name}: flags that are no config field"
         assert set(promised) - written == set(), f"stagemesh {name}: config fields without a flag"
         for flag, action in flags(sub).items():
@@ -131,8 +139,8 @@ def test_flag_defaults_are_the_dataclass_defaults(command):
     assert parsed == direct
     promised, _ = field_flags(cli.COMMANDS[command].config)
     for flag, action in flags(subparsers(cli.build_parser())[command]).items():
-        if flag in MINIMAL[command] or not action.option_strings:  # given, or a (required) positional argument
-            continue
+        if flag in MINIMAL[command] or not action.option_strings or flag in SUBCOMMAND_FLAGS:
+            continue  # given, a (required) positional argument, or no config field
         field_default = declared_default(cli.COMMANDS[command].config, promised[flag][0])
         if isinstance(action, argparse._AppendAction):  # argparse would append to a default list
             assert action.default is None and field_default == [], f"stagemesh {command} {flag}"
@@ -170,19 +178,19 @@ def test_the_flags_written_by_hand_before_keep_their_names_and_defaults(command)
 
 def test_flags_reach_nested_and_new_knobs():
     stage = build("stage", "--layers", "2:", "--inline-max-ms", "2", "--max-batch-tokens", "64",
-                  "--batch-window-ms", "1.5", "--preload", "--session-timeout", "9")
+                  "--batch-window-ms", "1.5", "--preload", "--session-timeout-s", "9")
     assert (stage.layer_start, stage.layer_end) == (2, None)
     assert stage.batcher == BatcherConfig(batch_window_ms=1.5, max_batch_tokens=64, inline_max_ms=2.0)
     assert stage.preload and stage.session_timeout_s == 9
     router = build("router", "--chain", "127.0.0.1:2", "--max-failovers", "5", "--prefill-chunk", "64",
-                   "--batch-max-waiting", "7", "--high-max-wait-s", "1.5", "--aging", "3", "--wire-dtype", "int8")
+                   "--batch-max-waiting", "7", "--high-max-wait-s", "1.5", "--aging-s", "3", "--wire-dtype", "int8")
     assert router.chains == ["127.0.0.1:1", "127.0.0.1:2"]
     assert router.generation == GenerationConfig(prefill_chunk=64, max_failovers=5, wire_dtype="int8")
     assert router.admission.aging_s == 3
     assert router.admission.limits["batch"] == ClassLimits(max_waiting=7, max_wait_s=600.0)
     assert router.admission.limits["high"] == ClassLimits(max_waiting=1000, max_wait_s=1.5)
     assert router.admission.limits["normal"] == AdmissionConfig().limits["normal"]
-    scheduler = build("scheduler", "--kv-headroom", "0.3", "--max-stages", "2", "--lock-ttl", "5")
+    scheduler = build("scheduler", "--kv-headroom", "0.3", "--max-stages", "2", "--lock-ttl-s", "5")
     assert scheduler.placement == PlacementConfig(kv_headroom_fraction=0.3, max_stages=2)
     assert scheduler.lock_ttl_s == 5
     assert build("up", "--prefill-chunk", "0", "--max-batch-tokens", "128") == UpConfig(prefill_chunk=0,
@@ -195,7 +203,7 @@ REFUSED = [
     (["stage", *MINIMAL["stage"], "--speed", "nan"], "--speed nan: must be > 0"),
     (["stage", "--model", "m", "--registry", "local://127.0.0.1:1", "--memory-gb", "0"], "--memory-gb 0: must be > 0"),
     (["stage", *MINIMAL["stage"], "--kv-cache-gb", "-1"], "--kv-cache-gb -1: must be > 0"),
-    (["stage", *MINIMAL["stage"], "--session-timeout", "-5"], "--session-timeout -5: must be > 0"),
+    (["stage", *MINIMAL["stage"], "--session-timeout-s", "-5"], "--session-timeout-s -5: must be > 0"),
     (["stage", *MINIMAL["stage"], "--unstepped-session-timeout-s", "0"],
      "--unstepped-session-timeout-s 0: must be > 0"),
     (["stage", *MINIMAL["stage"], "--host", "0.0.0.0"], "--host 0.0.0.0: listens on every interface, which is no "
@@ -210,7 +218,7 @@ REFUSED = [
     (["stage", *MINIMAL["stage"], "--batch-window-ms", "-1"], "--batch-window-ms -1: must be >= 0"),
     (["stage", "--model", "m", "--layers", "4:2"], "--layers 4:2: use A:B with 0 <= A < B"),
     (["stage", "--model", "m"], "give --layers A:B, or --registry"),
-    (["router", *MINIMAL["router"], "--aging", "0"], "--aging 0: must be > 0"),
+    (["router", *MINIMAL["router"], "--aging-s", "0"], "--aging-s 0: must be > 0"),
     (["router", *MINIMAL["router"], "--slots-per-chain", "0"], "--slots-per-chain 0: must be >= 1"),
     (["router", *MINIMAL["router"], "--normal-max-waiting", "-1"], "--normal-max-waiting -1: must be >= 0"),
     (["router", *MINIMAL["router"], "--batch-max-wait-s", "-2"], "--batch-max-wait-s -2: must be > 0"),
@@ -219,7 +227,7 @@ REFUSED = [
     (["router", *MINIMAL["router"], "--long-prompt-tokens", "-1"], "--long-prompt-tokens -1: must be >= 0"),
     (["router", *MINIMAL["router"], "--max-failovers", "-1"], "--max-failovers -1: must be >= 0"),
     (["router", *MINIMAL["router"], "--metrics-port", "99999"], "--metrics-port 99999: must be 0..65535"),
-    (["scheduler", "--model", "m", "--lock-ttl", "-1"], "--lock-ttl -1: must be > 0"),
+    (["scheduler", "--model", "m", "--lock-ttl-s", "-1"], "--lock-ttl-s -1: must be > 0"),
     (["scheduler", "--model", "m", "--kv-headroom", "1"], "--kv-headroom 1: must be >= 0 and < 1"),
     (["scheduler", "--model", "m", "--max-stages", "0"], "--max-stages 0: must be >= 1"),
     (["scheduler", "--model", "m", "--registry-port", "-1"], "--registry-port -1: must be 0..65535"),
@@ -286,3 +294,100 @@ def test_every_subcommand_says_its_version(command, capsys):
         cli.build_parser().parse_args([*command, "--version"])
     assert done.value.code == 0
     assert capsys.readouterr().out.strip() == f"stagemesh {stagemesh.__version__}"
+
+
+# Configured like a service: a TOML file (--config) and STAGEMESH_<FLAG> variables stand for the flags; flags win
+# over the environment, the environment over the file, the file over the defaults.
+
+STAGE_FILE = """
+model = "m"
+layers = "0:4"
+kv_cache_gb = 0.5
+session_timeout_s = 60.0
+prefix_cache = false
+
+[batcher]
+max_batch_tokens = 128
+decode_groups = 3
+"""
+
+
+def parsed(argv: list[str], env: dict[str, str], monkeypatch):
+    for name in [k for k in os.environ if k.startswith("STAGEMESH_")]:
+        monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    args = cli.parse(argv)
+    return from_args(cli.COMMANDS[args.command].config, args)
+
+
+def test_a_config_file_stands_for_the_flags_it_names(tmp_path, monkeypatch):
+    (tmp_path / "stage.toml").write_text(STAGE_FILE)
+    from_file = parsed(["stage", "--config", str(tmp_path / "stage.toml")], {}, monkeypatch)
+    from_flags = build("stage", "--kv-cache-gb", "0.5", "--session-timeout-s", "60", "--no-prefix-cache",
+                       "--max-batch-tokens", "128", "--decode-groups", "3")
+    assert from_file == from_flags
+
+
+def test_environment_variables_stand_for_the_flags_they_name(monkeypatch):
+    env = {"STAGEMESH_MODEL": "m", "STAGEMESH_LAYERS": "0:4", "STAGEMESH_KV_CACHE_GB": "0.5",
+           "STAGEMESH_PREFIX_CACHE": "false", "STAGEMESH_MAX_BATCH_TOKENS": "128", "STAGEMESH_DTYPE": "bfloat16"}
+    from_env = parsed(["stage"], env, monkeypatch)
+    assert from_env == build("stage", "--kv-cache-gb", "0.5", "--no-prefix-cache", "--max-batch-tokens", "128",
+                             "--dtype", "bfloat16")
+    router = parsed(["router", "--model", "m"], {"STAGEMESH_CHAIN": "127.0.0.1:1,127.0.0.1:2 127.0.0.1:3"},
+                    monkeypatch)
+    assert router.chains == ["127.0.0.1:1,127.0.0.1:2", "127.0.0.1:3"]  # a repeatable flag: items by spaces
+
+
+def test_a_flag_wins_over_the_environment_which_wins_over_the_file(tmp_path, monkeypatch):
+    (tmp_path / "stage.toml").write_text(STAGE_FILE)
+    argv = ["stage", "--config", str(tmp_path / "stage.toml")]
+    assert parsed(argv, {}, monkeypatch).kv_cache_gb == 0.5
+    assert parsed(argv, {"STAGEMESH_KV_CACHE_GB": "2"}, monkeypatch).kv_cache_gb == 2.0
+    assert parsed([*argv, "--kv-cache-gb", "3"], {"STAGEMESH_KV_CACHE_GB": "2"}, monkeypatch).kv_cache_gb == 3.0
+    assert parsed(argv, {}, monkeypatch).threads is None  # neither: the default
+
+
+@pytest.mark.parametrize("text,env,says", [
+    ('model = "m"\nlayers = "0:4"\nkv_cache_gib = 1\n', {}, "kv_cache_gib: not a setting of this command"),
+    ('model = "m"\nlayers = "0:4"\n[batcher]\nmax_tokens = 1\n', {}, "batcher.max_tokens: not a setting"),
+    ('model = "m"\nlayers = "0:4"\ndtype = "float64"\n', {}, "dtype = 'float64': use one of auto"),
+    ('model = "m"\nlayers = "0:4"\n', {"STAGEMESH_PRELOAD": "maybe"}, "STAGEMESH_PRELOAD='maybe': use one of"),
+    ('model = "m"\nlayers = "0:4\n', {}, "not TOML"),
+])
+def test_a_bad_file_key_or_value_is_refused_by_name(tmp_path, monkeypatch, capsys, text, env, says):
+    (tmp_path / "stage.toml").write_text(text)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["stage", "--config", str(tmp_path / "stage.toml")])
+    assert exit_.value.code == 2
+    assert says in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("old,new,field,value", [("--session-timeout", "--session-timeout-s", "session_timeout_s", 9.0),
+                                                 ("--lock-ttl", "--lock-ttl-s", "lock_ttl_s", 5.0)])
+def test_an_old_spelling_still_works_and_says_it_is_deprecated(monkeypatch, capsys, old, new, field, value):
+    command = "stage" if "session" in old else "scheduler"
+    config = parsed([command, *MINIMAL[command], old, str(value)], {}, monkeypatch)
+    assert getattr(config, field) == value
+    assert f"{old} is deprecated: use {new}" in capsys.readouterr().err
+
+
+def test_every_subcommand_takes_its_logging_flags_after_it_too():
+    args = cli.build_parser().parse_args(["stage", *MINIMAL["stage"], "--log-level", "debug", "--log-format", "text"])
+    assert (args.log_level, args.log_format) == ("debug", "text")
+    before = cli.build_parser().parse_args(["--log-format", "text", "router", *MINIMAL["router"]])
+    assert (before.log_level, before.log_format) == ("info", "text")
+
+
+def test_text_logs_are_lines_a_person_reads_with_the_requests_fields(capsys):
+    setup_logging("info", "text")
+    try:
+        logging.getLogger("stagemesh.router").info("served", extra={"request_id": "r-1", "chain": "c"})
+        logging.getLogger("stagemesh.router").debug("not shown at info")
+    finally:
+        setup_logging("info", "json")
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].endswith("info    stagemesh.router: served  request_id=r-1 chain=c"), lines

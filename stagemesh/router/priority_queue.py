@@ -40,7 +40,7 @@ class ClassLimits:
 class AdmissionConfig:
     slots_per_chain: int = 32
     """Streams that may run at once on one chain; the router's capacity is this times its usable chains."""
-    aging_s: float = field(default=10.0, metadata={"flag": "--aging"})
+    aging_s: float = field(default=10.0, metadata={"deprecated": "--aging"})
     """Seconds of waiting worth one class of urgency."""
     limits: dict[str, ClassLimits] = field(
         default_factory=lambda: {

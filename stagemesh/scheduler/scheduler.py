@@ -54,7 +54,7 @@ class SchedulerConfig:
     quantize: str = "auto"
     """The stages' --quantize, for sizing: int8 Linear weights let each host hold more layers (auto: what most
     live stages announce; none before any do)."""
-    lock_ttl_s: float = field(default=3.0, metadata={"flag": "--lock-ttl"})
+    lock_ttl_s: float = field(default=3.0, metadata={"deprecated": "--lock-ttl"})
     """Seconds before a standby scheduler takes over from a leader that stopped renewing its lock."""
     placement: placement.PlacementConfig = field(default_factory=placement.PlacementConfig)
     tracing: TracingConfig = field(default_factory=TracingConfig)

@@ -143,7 +143,7 @@ class StageConfig:
     session that starts with the same tokens instead of computing them again (a shared system prompt, the
     prompts of a conversation's earlier turns, a replay); those no session holds are taken back first when the
     pool is full. Not with --tp (its ranks' pools are not shared block by block)."""
-    session_timeout_s: float = field(default=300.0, metadata={"flag": "--session-timeout"})
+    session_timeout_s: float = field(default=300.0, metadata={"deprecated": "--session-timeout"})
     """Seconds after which an idle session is closed and its cache freed."""
     unstepped_session_timeout_s: float = 30.0
     """Seconds after which a session opened and left is closed (never stepped, and no stream of its opener
