@@ -1,7 +1,8 @@
 """Mutual TLS between stagemesh's components: one private CA, one mesh certificate every component
 presents as server and as client (`stagemesh certs` makes them; stagemesh/certs.py).
 
-A `--tls DIR` names a directory holding ca.pem, mesh.pem and mesh-key.pem. It is read once, when a
+A `--tls DIR` names a directory holding ca.pem, mesh.pem and mesh-key.pem, or the same three under the names a
+Kubernetes TLS secret (cert-manager's) mounts them with: ca.crt, tls.crt and tls.key. It is read once, when a
 server or client starts, and checked here (files present, the certificate issued by the CA, the key
 its own, not expired), so that a wrong directory stops the process with a message instead of every
 handshake failing later without one.
@@ -28,6 +29,8 @@ CERT_FILE = "mesh.pem"
 """The certificate every component presents, as server and as client."""
 KEY_FILE = "mesh-key.pem"
 """mesh.pem's private key: readable by its owner only."""
+SECRET_FILES = ("ca.crt", "tls.crt", "tls.key")
+"""The same three as a kubernetes.io/tls secret (cert-manager's) holds them: CA, certificate, key."""
 CA_KEY_FILE = "ca-key.pem"
 """The CA's private key, kept where `stagemesh certs` ran (it issues new mesh certificates); no host needs it."""
 
@@ -44,7 +47,7 @@ class Tls:
     @property
     def ca_path(self) -> Path:
         """The CA on disk, for clients that take a path (requests, for Consul)."""
-        return self.directory / CA_FILE
+        return self.directory / (CA_FILE if (self.directory / CA_FILE).is_file() else SECRET_FILES[0])
 
     def server_credentials(self) -> grpc.ServerCredentials:
         """Serves with the mesh certificate and refuses any client without a certificate from the CA."""
@@ -77,14 +80,19 @@ def load(directory: str | Path | None) -> Tls | None:
     if directory is None:
         return None
     root = Path(directory)
-    missing = [name for name in (CA_FILE, CERT_FILE, KEY_FILE) if not (root / name).is_file()]
+    names = (CA_FILE, CERT_FILE, KEY_FILE)
+    if not (root / CA_FILE).is_file() and all((root / name).is_file() for name in SECRET_FILES):
+        names = SECRET_FILES  # a Kubernetes TLS secret, mounted as it is
+    missing = [name for name in names if not (root / name).is_file()]
     if missing:
         raise FileNotFoundError(f"--tls {root}: {', '.join(missing)} missing there; make the files with "
-                                f"`stagemesh certs {root}` (and copy ca.pem, mesh.pem, mesh-key.pem to every host)")
-    tls = Tls(root, (root / CA_FILE).read_bytes(), (root / CERT_FILE).read_bytes(), (root / KEY_FILE).read_bytes())
+                                f"`stagemesh certs {root}` (and copy ca.pem, mesh.pem, mesh-key.pem to every host), or "
+                                f"mount a Kubernetes TLS secret there ({', '.join(SECRET_FILES)})")
+    ca, cert, key = (root / name for name in names)
+    tls = Tls(root, ca.read_bytes(), cert.read_bytes(), key.read_bytes())
     check(tls)
-    if (root / KEY_FILE).stat().st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-        log.warning(f"{root / KEY_FILE} is readable by other users than its owner: chmod 600 it")
+    if key.stat().st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        log.warning(f"{key} is readable by other users than its owner: chmod 600 it")
     return tls
 
 

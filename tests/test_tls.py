@@ -276,3 +276,19 @@ def test_processes_with_tls_register_schedule_and_serve(tiny_model, certs, hf_mo
         assert "published chains:" in plan and "chain" in plan.split("published chains:")[1]
     finally:
         mesh.stop()
+
+
+def test_a_kubernetes_tls_secret_mounted_as_it_is_is_a_tls_directory(tmp_path, certs):
+    """cert-manager's secret keys (ca.crt, tls.crt, tls.key) in place of ca.pem, mesh.pem, mesh-key.pem."""
+    mesh = certs["mesh"].directory
+    secret = tmp_path / "secret"
+    secret.mkdir()
+    for ours, theirs in zip(("ca.pem", "mesh.pem", "mesh-key.pem"), tls.SECRET_FILES, strict=True):
+        shutil.copy(mesh / ours, secret / theirs)
+    (secret / "tls.key").chmod(0o600)
+    loaded = tls.load(secret)
+    assert (loaded.ca, loaded.cert, loaded.key) == (certs["mesh"].ca, certs["mesh"].cert, certs["mesh"].key)
+    assert loaded.ca_path == secret / "ca.crt"
+    (secret / "tls.key").unlink()
+    with pytest.raises(FileNotFoundError, match="ca.pem, mesh.pem, mesh-key.pem missing there.*ca.crt, tls.crt"):
+        tls.load(secret)
