@@ -33,9 +33,9 @@ test: install
 	$(BIN)/python -m pytest -q -ra -n auto --maxprocesses 4 --dist loadfile
 
 # The package as users get it: the wheel's contents, the wheel alone in a fresh venv serving a mesh, every extra
-# beside the current openai, fastapi and numpy (scripts/check_wheel.sh). CI runs it after the suite.
+# beside the current openai, fastapi and numpy (scripts/dev/check_wheel.sh). CI runs it after the suite.
 wheel-check: install
-	PYTHON=$(PYTHON) scripts/check_wheel.sh
+	PYTHON=$(PYTHON) scripts/dev/check_wheel.sh
 
 run: install
 	$(BIN)/stagemesh up --stages $(STAGES) $(if $(MODEL),--model $(MODEL),)

@@ -12,7 +12,7 @@
 #    decode step, a decode pass of 32 sessions x 4,096 positions against (weights + K/V) / bandwidth, a 2,048-token
 #    prompt's first token whole and in 512-token chunks, each graph bucket's capture time and memory, eager passes;
 # 4. the 1.1B model's decode pass in process, eager against CUDA graphs, 1, 32 and 64 sessions
-#    (scripts/bench_step_compile.py);
+#    (scripts/dev/bench_step_compile.py);
 # 5. scripts/bench.py on the GPU: single-stream decode and 32/64 mixed streams, 1 and 2 stages, side by side with
 #    transformers.
 #
@@ -81,7 +81,7 @@ step "3. the engine against the memory floor: 1.1B and 8B shapes, bfloat16, CUDA
 run "$PY" scripts/bench_engine.py --shape 1b --shape 8b --json "$OUT/engine.json"
 
 step "4. the 1.1B decode pass in process, eager against CUDA graphs (1, 32 and 64 sessions)"
-run "$PY" scripts/bench_step_compile.py --model "$MODEL" --device cuda --dtype bfloat16 --sizes 1,32,64 \
+run "$PY" scripts/dev/bench_step_compile.py --model "$MODEL" --device cuda --dtype bfloat16 --sizes 1,32,64 \
   --end 22 --passes 50 --variants eager,graphs
 
 step "5. bench.py on the GPU: single stream, 32 and 64 mixed streams, 1 and 2 stages"

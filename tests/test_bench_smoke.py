@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+DEV = ROOT / "scripts" / "dev"
+"""The developers' harnesses (scripts/README.md)."""
 RUN_S = 900
 """Each benchmark's bound: ~1 min alone on 2 idle cores, ~3 min beside another test file (make test runs two at
 once), and room for a machine several times slower."""
@@ -53,7 +55,7 @@ def test_bench_quick_writes_json_and_plot(tmp_path):
 @pytest.mark.timeout(RUN_S + 60)
 def test_bench_router_measures_turnaround_on_both_sides(tmp_path):
     out = tmp_path / "router.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_router.py"), "--streams", "1,20",
+    proc = subprocess.run([sys.executable, str(DEV / "bench_router.py"), "--streams", "1,20",
                            "--tokens", "8", "--step-ms", "0,20", "--repeats", "1", "--out", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=RUN_S)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
@@ -68,7 +70,7 @@ def test_bench_router_measures_turnaround_on_both_sides(tmp_path):
 def test_bench_registry_times_every_backend(tmp_path):
     out = tmp_path / "registry.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_registry.py"), "--quick", "--out", str(out)],
+    proc = subprocess.run([sys.executable, str(DEV / "bench_registry.py"), "--quick", "--out", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=RUN_S, env=env)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
     backends = json.loads(out.read_text())["backends"]
@@ -82,7 +84,7 @@ def test_bench_registry_times_every_backend(tmp_path):
 @pytest.mark.timeout(RUN_S + 60)
 def test_bench_router_compares_relay_and_forwarding_on_a_3_stage_chain(tmp_path):
     out = tmp_path / "router.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_router.py"), "--streams", "4",
+    proc = subprocess.run([sys.executable, str(DEV / "bench_router.py"), "--streams", "4",
                            "--tokens", "8", "--step-ms", "0", "--repeats", "1", "--stages", "3",
                            "--modes", "relay,forwarding", "--out", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=RUN_S)
@@ -111,7 +113,7 @@ def test_bench_floor_runs_each_tree_in_its_own_checkout_and_sets_them_side_by_si
     """--code twice (this checkout, twice: the runs of a before/after comparison), one round: each run is the
     tree's own bench_floor.py, its report kept (the wire, the tiny chain against transformers, where a step's time
     goes), and the summary gives each figure per tree with its ratio to the first's."""
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_floor.py"), "--quick", "--code", str(ROOT),
+    proc = subprocess.run([sys.executable, str(DEV / "bench_floor.py"), "--quick", "--code", str(ROOT),
                            "--code", str(ROOT), "--out", str(tmp_path)], cwd=tmp_path, capture_output=True, text=True,
                           timeout=2 * RUN_S)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
@@ -159,7 +161,7 @@ def test_bench_tp_rows_measure_both_layouts(tmp_path, tiny_model):
 @pytest.mark.timeout(RUN_S + 60)
 def test_bench_aggregate_runs_each_arm_and_reports_its_ratio_to_the_first(tmp_path, tiny_model):
     """One tree as it is and again with more stage flags (--also-with): two arms, the first the baseline."""
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_aggregate.py"), "--model", str(tiny_model),
+    proc = subprocess.run([sys.executable, str(DEV / "bench_aggregate.py"), "--model", str(tiny_model),
                            "--levels", "2", "--repeats", "1", "--warmup", "0", "--stages", "1", "--code", str(ROOT),
                            "--also-with=--no-packed-weights"],
                           cwd=ROOT, capture_output=True, text=True, timeout=RUN_S)
@@ -189,7 +191,7 @@ def test_bench_prefix_compares_the_cache_off_and_on_with_the_same_tokens(tmp_pat
 def test_bench_linear_checks_and_times_every_arm():
     """Small shapes, uneven (a last panel padded, odd features): each arm checked against float64, then a row per
     M with the three arms and MKL's ratio to the packed kernel."""
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_linear.py"), "--hidden", "40",
+    proc = subprocess.run([sys.executable, str(DEV / "bench_linear.py"), "--hidden", "40",
                            "--intermediate", "52", "--layers", "1", "--rows", "1,7", "--repeats", "1"],
                           cwd=ROOT, capture_output=True, text=True, timeout=RUN_S)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
@@ -199,7 +201,7 @@ def test_bench_linear_checks_and_times_every_arm():
 
 
 def test_bench_hop_times_both_transports_side_by_side():
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_hop.py"), "--sizes", "256,4096",
+    proc = subprocess.run([sys.executable, str(DEV / "bench_hop.py"), "--sizes", "256,4096",
                            "--rounds", "2", "--n", "20"], cwd=ROOT, capture_output=True, text=True, timeout=RUN_S)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
     rows = [line.split() for line in proc.stdout.splitlines() if line.startswith("  ")]
@@ -211,7 +213,7 @@ def test_bench_hop_times_both_transports_side_by_side():
 def test_bench_attention_times_the_kernel_in_both_cases_for_both_shapes():
     """This checkout's kernel, in a process of its own (as each tree's must be), two rounds: both cases of both head
     shapes timed, each figure with its ratio to the first tree's."""
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_attention.py"), "--code", str(ROOT),
+    proc = subprocess.run([sys.executable, str(DEV / "bench_attention.py"), "--code", str(ROOT),
                            "--sessions", "3", "--context", "40", "--runs", "3", "--rounds", "2"],
                           cwd=ROOT, capture_output=True, text=True, timeout=RUN_S)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
@@ -226,7 +228,7 @@ def test_bench_attention_times_the_kernel_in_both_cases_for_both_shapes():
 def test_bench_pass_times_each_weight_layout_side_by_side(tiny_model):
     """--weights: a copy of the model per layout (as loaded, packed panels with the norms apart, packed as a stage
     holds them), passes alternated; a time per layout and size in the JSON."""
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_pass.py"), "--model", str(tiny_model),
+    proc = subprocess.run([sys.executable, str(DEV / "bench_pass.py"), "--model", str(tiny_model),
                            "--sizes", "1,3", "--passes", "5", "--context", "40", "--weights", "torch,panels,packed"],
                           cwd=ROOT, capture_output=True, text=True, timeout=RUN_S)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"

@@ -1,4 +1,4 @@
-"""The docs say what the code says: the generated reference pages (CLI, API) are what scripts/gen_docs.py makes
+"""The docs say what the code says: the generated reference pages (CLI, API) are what scripts/dev/gen_docs.py makes
 now, every flag of every `stagemesh` subcommand is on the CLI page, the README stays short, every relative link
 in the README and the docs resolves, and the site builds with `mkdocs build --strict`."""
 
@@ -17,13 +17,13 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 README = ROOT / "README.md"
 README_MAX_LINES = 250
-REGENERATE = "run `python scripts/gen_docs.py` and commit the pages it writes"
+REGENERATE = "run `python scripts/dev/gen_docs.py` and commit the pages it writes"
 
 
 @pytest.fixture(scope="module")
 def gen_docs():
-    """scripts/gen_docs.py as a module (scripts/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("gen_docs", ROOT / "scripts" / "gen_docs.py")
+    """scripts/dev/gen_docs.py as a module (scripts/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("gen_docs", ROOT / "scripts" / "dev" / "gen_docs.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -1,7 +1,7 @@
 """What a registry call costs on each backend, side by side in one run: the embedded registry (its gRPC
 server in this process), etcd with one member, and etcd with three members on loopback.
 
-    python scripts/bench_registry.py [--calls 200] [--wakes 50] [--quick]
+    python scripts/dev/bench_registry.py [--calls 200] [--wakes 50] [--quick]
 
 Per backend, medians in milliseconds of:
 - kv_get: one read (etcd: a linearizable read, through the leader);

@@ -2,8 +2,8 @@
 into the paged pool and attention over it) compiled with variants of torch.compile's options, timed against the
 eager pass. The stage's --compile uses c_keept (stage_server/engine/compiled.py).
 
-    python scripts/bench_step_compile.py [--model DIR] [--end 4] [--sizes 1] [--variants eager,c,c_keept,c_cpp]
-    python scripts/bench_step_compile.py --device cuda --dtype bfloat16 --model DIR --end 11 --sizes 1,32,64 \
+    python scripts/dev/bench_step_compile.py [--model DIR] [--end 4] [--sizes 1] [--variants eager,c,c_keept,c_cpp]
+    python scripts/dev/bench_step_compile.py --device cuda --dtype bfloat16 --model DIR --end 11 --sizes 1,32,64 \
         --variants eager,graphs          # issue 15's CUDA graphs against eager (scripts/gpu_check.sh)
 
 Variants (run alternately, medians): eager (StageModel.forward), stage (StageModel.forward with --compile's
@@ -25,7 +25,7 @@ import time
 import types
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402

@@ -1,8 +1,8 @@
 """One stage's Linear weights multiplied by each way a CPU stage can hold them, side by side in one process:
 milliseconds per pass of M rows over every Linear of `--layers` decoder layers (medians).
 
-    python scripts/bench_linear.py                       # the ~270M model's shapes, 8 layers, 1 thread
-    python scripts/bench_linear.py --threads 2 --rows 1,2,4,8,16,32,256
+    python scripts/dev/bench_linear.py                       # the ~270M model's shapes, 8 layers, 1 thread
+    python scripts/dev/bench_linear.py --threads 2 --rows 1,2,4,8,16,32,256
 
 Arms: torch's F.linear over the weight laid out column-major (what a stage with --no-packed-weights holds:
 MKL), oneDNN's matmul over a copy reordered into its blocked layout (what inductor's CPU freezing uses), and
@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 

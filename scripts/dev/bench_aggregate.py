@@ -2,9 +2,9 @@
 bench.py (the same prompts, SEED 1234), no transformers column (bench.py has it), so that a before/after pair
 costs minutes, not bench.py's hour on the ~270M model.
 
-    python scripts/bench_aggregate.py --code /tmp/before --code .            # tiny Llama, 2 stages, 32 and 64
-    python scripts/bench_aggregate.py --medium --levels 32 --repeats 1 --code /tmp/before --code .
-    python scripts/bench_aggregate.py --medium --levels 32 --repeats 1 --also-with=--no-packed-weights
+    python scripts/dev/bench_aggregate.py --code /tmp/before --code .            # tiny Llama, 2 stages, 32 and 64
+    python scripts/dev/bench_aggregate.py --medium --levels 32 --repeats 1 --code /tmp/before --code .
+    python scripts/dev/bench_aggregate.py --medium --levels 32 --repeats 1 --also-with=--no-packed-weights
 
 Each --code DIR is a checkout whose stage and router processes run (`python -m stagemesh.cli` from DIR, started
 by that tree's own launcher); the trees take turns, --rounds times, each round a fresh mesh that runs each level
@@ -26,9 +26,10 @@ import sys
 import time
 from pathlib import Path
 
-from bench import Plan, make_workload  # scripts/bench.py, beside this file: its mixed streams, the same draws
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/, for bench.py
+from bench import Plan, make_workload  # noqa: E402  (scripts/bench.py: its mixed streams, the same draws)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def worker(a: argparse.Namespace) -> None:

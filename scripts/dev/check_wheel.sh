@@ -4,7 +4,7 @@
 #    the CPU kernels' C++ sources;
 # 2. installs the wheel with every extra (at constraints.txt's versions) beside openai, fastapi and numpy into a
 #    fresh virtual environment, and asks pip whether everything fits (pip check);
-# 3. runs scripts/smoke_installed.py there, from outside the checkout: a 2-stage mesh streams tokens with the CPU
+# 3. runs scripts/dev/smoke_installed.py there, from outside the checkout: a 2-stage mesh streams tokens with the CPU
 #    kernels loaded.
 set -euo pipefail
 cd "$(dirname "$0")/.."

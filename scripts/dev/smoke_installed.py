@@ -1,4 +1,4 @@
-"""The package as a user installs it: run from outside the checkout with the wheel installed (scripts/check_wheel.sh
+"""The package as a user installs it: run from outside the checkout with the wheel installed (scripts/dev/check_wheel.sh
 does), a 2-stage mesh of `stagemesh` processes streams tokens, every stage with stagemesh's CPU kernels loaded
 (asserted from Stage/Info, which says what each stage computes with). Exits 0 when all holds."""
 

@@ -1,6 +1,6 @@
 """The router's own per-token cost: a real router process in front of a stage that does no work.
 
-    python scripts/bench_router.py [--streams 1,100,1000] [--tokens 32] [--step-ms 0,1000] [--repeats 3]
+    python scripts/dev/bench_router.py [--streams 1,100,1000] [--tokens 32] [--step-ms 0,1000] [--repeats 3]
                                    [--stages 1] [--modes forwarding,relay]
 
 The "instant stage" below is a measuring device, not a model: it implements stagemesh.v1.Stage and
@@ -39,7 +39,7 @@ from pathlib import Path
 import grpc
 import psutil
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from stagemesh import grpc_server  # noqa: E402
 from stagemesh.checkpoint import model_fingerprint, serving_fingerprint  # noqa: E402

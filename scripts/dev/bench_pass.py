@@ -1,12 +1,12 @@
 """One stage's decode pass, in process: milliseconds per pass of B sessions' decode steps (medians).
 
-    python scripts/bench_pass.py                          # the tiny model, whole, B = 1, 8, 32, 64
-    python scripts/bench_pass.py --code /tmp/old-tree     # the same with another checkout's stage code
-    python scripts/bench_pass.py --medium --sizes 1,32
-    python scripts/bench_pass.py --attention kernel,gather   # both decode attentions, passes alternated
-    python scripts/bench_pass.py --medium --pack --threads 2   # Linear weights packed, as a stage holds them
-    python scripts/bench_pass.py --weights torch,panels,packed --sizes 1   # weight layouts side by side
-    python scripts/bench_pass.py --weights packed,layers --attention kernel   # a layer per call against op by op
+    python scripts/dev/bench_pass.py                          # the tiny model, whole, B = 1, 8, 32, 64
+    python scripts/dev/bench_pass.py --code /tmp/old-tree     # the same with another checkout's stage code
+    python scripts/dev/bench_pass.py --medium --sizes 1,32
+    python scripts/dev/bench_pass.py --attention kernel,gather   # both decode attentions, passes alternated
+    python scripts/dev/bench_pass.py --medium --pack --threads 2   # Linear weights packed, as a stage holds them
+    python scripts/dev/bench_pass.py --weights torch,panels,packed --sizes 1   # weight layouts side by side
+    python scripts/dev/bench_pass.py --weights packed,layers --attention kernel   # a layer per call against op by op
 
 No gRPC, no router: the model's forward pass alone, with each session holding `--context` positions
 (prompts of different lengths around it, so the batch mixes lengths), one thread. Works with the
@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """One hop's floor: a grpc.aio bidirectional stream between two processes, as a stage's links and the router's
 Sessions streams are, with gRPC's transport as stagemesh sets it and with gRPC's own default, side by side.
 
-    python scripts/bench_hop.py                  # ~1 min: 1 KiB and 64 KiB messages, 5 rounds of each arm in turn
+    python scripts/dev/bench_hop.py                  # ~1 min: 1 KiB and 64 KiB messages, 5 rounds of each arm in turn
 
 Each round starts an echo server process and times, from a client process, round trips of one message (write,
 then read the echo): the median of each round after a warm-up, then the median over rounds. With gRPC's default
@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import grpc  # noqa: E402

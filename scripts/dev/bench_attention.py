@@ -1,8 +1,8 @@
 """The decode attention kernel alone (stagemesh::decode_attention), one thread, trees side by side.
 
-    python scripts/bench_attention.py                              # this checkout
-    python scripts/bench_attention.py --code /tmp/before --code .  # each tree's kernel, in turns
-    python scripts/bench_attention.py --rounds 3 --runs 21
+    python scripts/dev/bench_attention.py                              # this checkout
+    python scripts/dev/bench_attention.py --code /tmp/before --code .  # each tree's kernel, in turns
+    python scripts/dev/bench_attention.py --rounds 3 --runs 21
 
 Two cases per head shape (the tiny model's 8 query heads over 4 kv heads of 32; the ~270M model's 16 of 64):
 "scattered", many sessions whose 16-position blocks lie shuffled through a pool larger than the caches, as a busy
@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SHAPES = {"tiny": (8, 4, 32), "270m": (16, 16, 64)}  # query heads, kv heads, head size
 BLOCK = 16
 

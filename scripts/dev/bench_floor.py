@@ -1,10 +1,10 @@
 """The per-token floor (issue 15), side by side in one run: what a decode step costs outside the math.
 
-    python scripts/bench_floor.py            # all parts, ~8 min on 2 cores (the ~270M model is made if absent)
-    python scripts/bench_floor.py --quick    # a smoke run: the wire, and the tiny chain without --compile (~1 min)
-    python scripts/bench_floor.py --no-medium --no-compile
-    python scripts/bench_floor.py --no-medium --also-with=--no-fused-layers   # the tiny chain with and without
-    python scripts/bench_floor.py --no-compile --code /tmp/before --code . --rounds 3   # two trees, in turns
+    python scripts/dev/bench_floor.py            # all parts, ~8 min on 2 cores (the ~270M model is made if absent)
+    python scripts/dev/bench_floor.py --quick    # a smoke run: the wire, and the tiny chain without --compile (~1 min)
+    python scripts/dev/bench_floor.py --no-medium --no-compile
+    python scripts/dev/bench_floor.py --no-medium --also-with=--no-fused-layers   # the tiny chain with and without
+    python scripts/dev/bench_floor.py --no-compile --code /tmp/before --code . --rounds 3   # two trees, in turns
 
 1. The wire: each copy removed from the stage's side of a hop, timed alone, before and now, on a one-token
    hidden state at hidden 256 and 1024 and on a 256-token prefill chunk: encode (a message of its own, then
@@ -44,7 +44,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from scripts import bench  # noqa: E402  (its helpers: workers, workload, mesh calls)
@@ -302,7 +302,10 @@ def compare_trees(args: argparse.Namespace) -> None:
     for r in range(args.rounds):
         for i, tree in enumerate(trees):
             out = args.out.resolve() / f"{i}-{tree.name}-{r}"
-            proc = subprocess.run([sys.executable, str(tree / "scripts" / "bench_floor.py"), *tree_flags(args),
+            script = tree / "scripts" / "dev" / "bench_floor.py"
+            if not script.exists():  # a tree from before the developers' scripts moved to scripts/dev/
+                script = tree / "scripts" / "bench_floor.py"
+            proc = subprocess.run([sys.executable, str(script), *tree_flags(args),
                                    "--out", str(out)], cwd=tree, capture_output=True, text=True)
             if proc.returncode:
                 sys.exit(f"{tree}: bench_floor failed:\n{proc.stderr[-3000:]}")
