@@ -7,7 +7,7 @@
 # 3. runs scripts/dev/smoke_installed.py there, from outside the checkout: a 2-stage mesh streams tokens with the CPU
 #    kernels loaded.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 ROOT=$(pwd)
 PY=${PYTHON:-python3.11}
 OUT=$(mktemp -d)
@@ -37,5 +37,5 @@ print('stagemesh', stagemesh.__version__, 'beside openai', openai.__version__, '
       'numpy', numpy.__version__)"
 
 echo "== 3. from outside the checkout: a 2-stage mesh of the installed stagemesh, kernels loaded"
-(cd "$OUT" && "$OUT/venv/bin/python" "$ROOT/scripts/smoke_installed.py")
+(cd "$OUT" && "$OUT/venv/bin/python" "$ROOT/scripts/dev/smoke_installed.py")
 echo "check_wheel: all steps passed"
