@@ -108,7 +108,7 @@ def start_mesh(model: str, args: argparse.Namespace, log_dir: Path) -> tuple[Loc
     scheduler = mesh.spawn("scheduler", ["scheduler", "--model", model, "--registry", "local",
                                          "--registry-port", "0"], env)
     url = f"local://{scheduler.address}"
-    common = ["stage", "--model", model, "--registry", url, "--threads", "1", "--memory-gb", "1",
+    common = ["stage", "--model", model, "--port", "0", "--registry", url, "--threads", "1", "--memory-gb", "1",
               "--kv-cache-gb", "0.3", "--port", "0", "--no-prefix-cache"]  # rounds repeat their prompts
     specs = [(f"replica-{i}", [*common, "--layers", "0:8"]) for i in range(args.replicas)]
     if args.tp > 1:

@@ -170,8 +170,8 @@ def start_local_mesh(model: str, *, stages: int, replicas: int = 1, router_port:
             lone = ["--lone-session-threads", str(cpus // replicas)]
     env = stage_env(threads, shared_cores=threads * stages * replicas > cpus or bool(lone))
     secure = ["--tls", tls] if tls else []
-    stage_args = ["stage", "--model", model, "--dtype", dtype, "--threads", str(threads), "--quantize", quantize,
-                  *lone, *secure, *(extra_stage_args or [])]
+    stage_args = ["stage", "--model", model, "--port", "0", "--dtype", dtype, "--threads", str(threads),
+                  "--quantize", quantize, *lone, *secure, *(extra_stage_args or [])]
     # The scheduler sizes weights as the stages announce they hold them.
     sizing = secure
     router_args = ["router", "--model", model, "--port", str(router_port), "--prefill-chunk", str(prefill_chunk),

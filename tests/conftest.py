@@ -113,7 +113,7 @@ async def start_mesh(model: Path, chains: list[list[tuple[int, int]]], *, router
             servers = []
             mesh.stages.append(servers)
             for start, end in layout:
-                options = {"kv_cache_gb": 1.0, **(stage_options or {})}
+                options = {"kv_cache_gb": 1.0, "port": 0, **(stage_options or {})}
                 servers.append(StageServer(StageConfig(model=str(model), layer_start=start, layer_end=end,
                                                        **options)))
                 await servers[-1].start(servers[-1].load(start, end))

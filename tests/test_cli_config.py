@@ -150,7 +150,7 @@ def test_flag_defaults_are_the_dataclass_defaults(command):
 
 BEFORE = {
     "stage": {"--model": None, "--layers": None, "--registry": None, "--model-name": "", "--memory-gb": None,
-              "--speed": 1.0, "--host": "127.0.0.1", "--port": 0, "--device": "auto", "--dtype": "auto",
+              "--speed": 1.0, "--host": "127.0.0.1", "--port": 50061, "--device": "auto", "--dtype": "auto",
               "--kv-cache-gb": None, "--session-timeout": 300.0, "--batch-window-ms": 0.0,
               "--max-batch-tokens": None, "--threads": None, "--preload": False, "--quantize": "none"},
     "router": {"--model": None, "--chain": None, "--registry": None, "--model-name": "", "--slots-per-chain": 32,
@@ -167,7 +167,8 @@ BEFORE = {
 """The flags (and defaults) the hand-written CLI had: README, scripts and tests use them. Changed on purpose
 since: --max-batch-tokens 2048 -> by device (256 on a CPU, 2048 on CUDA; stage_server/config.py PASS_TOKENS);
 --dtype float32 -> auto everywhere (the checkpoint's, stagemesh/checkpoint.py serving_dtype), the scheduler's
---quantize none -> auto (what the stages announce)."""
+--quantize none -> auto (what the stages announce); the stage's --port 0 -> 50061 (a fixed port a deployment can name;
+0 still picks a free one)."""
 
 
 @pytest.mark.parametrize("command", sorted(BEFORE))

@@ -41,7 +41,7 @@ async def test_a_two_thread_stage_loads_warms_up_and_runs_every_pass_on_its_comp
     threads_before = torch.get_num_threads()
     mesh = Mesh()
     try:
-        server = StageServer(StageConfig(model=str(tiny_model), layer_start=0, layer_end=8, threads=2,
+        server = StageServer(StageConfig(model=str(tiny_model), layer_start=0, layer_end=8, port=0, threads=2,
                                          kv_cache_gb=0.1))
         mesh.stages.append([server])
         await server.start(await server.in_compute(server.load, 0, 8))
@@ -78,7 +78,7 @@ async def test_a_stage_serving_one_session_decodes_on_its_lone_session_threads(t
     mesh = Mesh()
     try:
         server = StageServer(StageConfig(
-            model=str(tiny_model), layer_start=0, layer_end=8, threads=1, kv_cache_gb=0.1,
+            model=str(tiny_model), port=0, layer_start=0, layer_end=8, threads=1, kv_cache_gb=0.1,
             batcher=BatcherConfig(lone_session_threads=2, inline_max_ms=0, batch_window_ms=2)))  # on the compute thread
         mesh.stages.append([server])
         await server.start(await server.in_compute(server.load, 0, 8))

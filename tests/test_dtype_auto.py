@@ -38,7 +38,7 @@ def bf16_model(tmp_path_factory):
 
 
 async def test_a_bfloat16_checkpoint_is_served_in_bfloat16_on_a_cpu_stage(bf16_model):
-    stage = StageServer(StageConfig(model=str(bf16_model), layer_start=0, layer_end=4, kv_cache_gb=0.05))
+    stage = StageServer(StageConfig(model=str(bf16_model), layer_start=0, layer_end=4, port=0, kv_cache_gb=0.05))
     try:
         await stage.start(stage.load(0, 4))
         assert stage.model.dtype == torch.bfloat16 and stage.pool.dtype == torch.bfloat16

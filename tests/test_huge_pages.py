@@ -91,7 +91,7 @@ def test_a_kv_pool_without_huge_pages_lies_on_none():
 async def test_a_stage_serves_from_a_pool_on_huge_pages_unless_told_not_to(tiny_model, hf_models, huge):
     mesh = Mesh()
     try:
-        server = StageServer(StageConfig(model=str(tiny_model), layer_start=0, layer_end=8, kv_cache_gb=0.05,
+        server = StageServer(StageConfig(model=str(tiny_model), layer_start=0, layer_end=8, port=0, kv_cache_gb=0.05,
                                          huge_pages=huge))
         mesh.stages.append([server])
         await server.start(await server.in_compute(server.load, 0, 8))

@@ -180,7 +180,7 @@ async def test_the_registry_holds_the_advertised_address_and_ids_are_unique_per_
         # registration expires): two registrations, neither overwrites the other.
         for advertise in ("127.0.0.1", "127.0.0.1:{port}"):
             port = servers[0].port if servers else 0
-            server = StageServer(StageConfig(model=str(tiny_model), host="0.0.0.0", layer_start=0, layer_end=8,
+            server = StageServer(StageConfig(model=str(tiny_model), host="0.0.0.0", port=0, layer_start=0, layer_end=8,
                                              advertise=advertise.format(port=port), kv_cache_gb=0.1))
             await server.start(server.load(0, 8))
             servers.append(server)
@@ -291,7 +291,7 @@ async def test_router_refuses_a_static_chain_that_mixes_builds_or_serves_another
     try:
         for model, servers in ((tiny_model, ours), (other_build, theirs)):
             for a, b in splits(4, 4):
-                server = StageServer(StageConfig(model=str(model), layer_start=a, layer_end=b, kv_cache_gb=0.1))
+                server = StageServer(StageConfig(model=str(model), port=0, layer_start=a, layer_end=b, kv_cache_gb=0.1))
                 await server.start(server.load(a, b))
                 servers.append(server)
         specs = [f"{ours[0].address},{theirs[1].address}",  # mixed

@@ -42,7 +42,7 @@ class DevicePlane(ControlPlane):
         """A stage whose budget holds this share of the model; `tp` is announced only (the scheduler and
         routers treat it as a tensor-parallel group of that many ranks)."""
         budget = int(self.footprint.total_bytes * share_of_model / 0.8)
-        server = StageServer(StageConfig(model=str(self.model), registry=self.url, kv_cache_gb=0.5, tp=tp,
+        server = StageServer(StageConfig(model=str(self.model), registry=self.url, port=0, kv_cache_gb=0.5, tp=tp,
                                          host_id=host_id, devices=devices))
         await server.start()
         registration = Registration(server, open_registry(self.url),

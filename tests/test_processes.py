@@ -105,7 +105,7 @@ def test_kill_9_of_a_stage_withdraws_its_chain_and_a_spare_restores_it(tiny_mode
                    for t in r.token_ids]
             assert len(ids) >= 1
         budget = f"{stage_budget_gb(str(tiny_model), 2, 'float32'):.6f}"
-        mesh.spawn("spare", ["stage", "--model", str(tiny_model), "--registry", mesh.registry_url,
+        mesh.spawn("spare", ["stage", "--model", str(tiny_model), "--port", "0", "--registry", mesh.registry_url,
                              "--memory-gb", budget], stage_env(None))
         assert len(wait_for_chains(router.address, 2, timeout=30)) == 2
     finally:

@@ -46,7 +46,7 @@ class ControlPlane:
         """A stage without --layers whose memory holds this share of the model (besides KV headroom);
         `model` serves another checkpoint under the same name (another build)."""
         budget = int(self.footprint.total_bytes * share_of_model / 0.8)
-        server = StageServer(StageConfig(model=str(model or self.model), registry=self.url, kv_cache_gb=0.5))
+        server = StageServer(StageConfig(model=str(model or self.model), registry=self.url, port=0, kv_cache_gb=0.5))
         await server.start()
         registration = Registration(server, open_registry(self.url),
                                     RegistrationConfig(self.model.name, budget, ttl_s=1.0), fixed=False)

@@ -33,8 +33,8 @@ def prompt(n: int, seed: int) -> list[int]:
 
 
 async def start_tp_mesh(model, layout: list[tuple[int, int, int]]) -> Mesh:
-    servers = [StageServer(StageConfig(model=str(model), layer_start=start, layer_end=end, kv_cache_gb=0.25, tp=tp,
-                                       batcher=BatcherConfig(max_batch_tokens=MAX_BATCH_TOKENS)))
+    servers = [StageServer(StageConfig(model=str(model), port=0, layer_start=start, layer_end=end, kv_cache_gb=0.25,
+                                       tp=tp, batcher=BatcherConfig(max_batch_tokens=MAX_BATCH_TOKENS)))
                for start, end, tp in layout]
     mesh = Mesh(stages=[servers])
     try:
@@ -199,7 +199,7 @@ def test_tp_that_does_not_divide_the_heads_is_refused(tiny_model):
     with pytest.raises(ValueError, match=r"attention heads \(8\) and its KV heads \(4\)"):
         check_tp(args, 3)
     with pytest.raises(ValueError, match=r"KV heads \(4\)"):
-        StageServer(StageConfig(model=str(tiny_model), layer_start=0, layer_end=8, tp=8))
+        StageServer(StageConfig(model=str(tiny_model), layer_start=0, layer_end=8, tp=8, port=0))
     with pytest.raises(ValueError, match="--tp"):
         StageConfig(model=str(tiny_model), layer_start=0, layer_end=8, tp=0)
     with pytest.raises(ValueError, match="--quantize or --compile"):

@@ -117,8 +117,9 @@ class StageConfig:
     """None: through the last layer."""
     host: str = "127.0.0.1"
     """The address to serve on (a wildcard such as 0.0.0.0 or :: needs --advertise)."""
-    port: int = 0
-    """0 picks a free port."""
+    port: int = 50061
+    """The port to serve on (0 picks a free one: several stages on one host need a port each; `stagemesh up` gives
+    its stages 0)."""
     advertise: str = field(default="", metadata={"metavar": "HOST[:PORT]"})
     """The address others reach this stage at: registered in the registry, shown in logs, part of the
     stage's id (default: --host and the bound port; PORT defaults to the bound port)."""
