@@ -179,7 +179,9 @@ async def test_scheduler_metrics_say_who_leads_what_it_saw_and_what_it_published
         takeovers = value("stagemesh_scheduler_leadership_acquired_total")
         reconciles = value("stagemesh_scheduler_reconcile_seconds_count")
         writes = value("stagemesh_scheduler_chain_table_writes_total", outcome="ok")
-        scheduler = Scheduler(SchedulerConfig(model=str(tiny_model), lock_ttl_s=1.0, settle_s=0.0),
+        # A lease long enough that a stalled event loop (4 test files on 2 cores) does not lose and take the lock again
+        # mid-test: one takeover is the count checked.
+        scheduler = Scheduler(SchedulerConfig(model=str(tiny_model), lock_ttl_s=10.0, settle_s=0.0),
                               open_registry(plane.url))
         task = asyncio.get_running_loop().create_task(scheduler.run())
         await plane.add_stage(share_of_model=1.5)
