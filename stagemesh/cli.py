@@ -54,6 +54,26 @@ def run_stage(config: StageConfig) -> None:
     _run(serve_stage(config))
 
 
+@dataclass
+class KernelsConfig:
+    """`stagemesh kernels`: builds stagemesh's CPU kernels into this user's cache now, where a C++ compiler exists,
+    so that no stage's first start pays for the build: run it after `pip install`, or in an image build. A stage
+    still builds them on first use where this was not run."""
+
+    quiet: bool = False
+    """Print nothing; the exit status says whether they were built (0) or could not be (1)."""
+
+
+def run_kernels(config: KernelsConfig) -> None:
+    # Imported here, not above: torch, for the stage's kernels only (see run_stage).
+    from stagemesh.stage_server.cpu import cpu_kernels
+
+    built = cpu_kernels.load()
+    if not config.quiet:
+        print(f"CPU kernels: {'ready' if built else 'not built'} ({cpu_kernels.status()})")
+    sys.exit(0 if built else 1)
+
+
 def run_router(config: RouterConfig) -> None:
     setup_tracing("stagemesh-router", config.tracing.otlp_endpoint)
     _run(serve_router(config))
@@ -106,6 +126,8 @@ COMMANDS = {
     "roll": Command(RollConfig, run_roll, "restart every stage of a running `stagemesh up`, one by one, each "
                     "drained first: a rolling update without a failed request"),
     "certs": Command(CertsConfig, run_certs, "make a CA and the mesh certificate for --tls"),
+    "kernels": Command(KernelsConfig, run_kernels, "build the CPU kernels now (after install, or in an image "
+                       "build), so that no stage's first start pays for it"),
 }
 
 

@@ -42,6 +42,7 @@ MINIMAL = {
     "up": [],
     "roll": ["--mesh", "d"],
     "certs": ["d"],
+    "kernels": [],
 }
 """The fewest flags each subcommand builds a valid config from."""
 

@@ -75,3 +75,15 @@ def test_the_ownership_check_passes_a_private_folder_and_refuses_a_shared_one(tm
     cpu_kernels._check_owned(private)
     with pytest.raises(PermissionError, match="writable by others"):
         cpu_kernels._check_owned(shared)
+
+
+@pytest.mark.parametrize("kernels", ["0", "1"], ids=["kernels-off", "kernels-on"])
+def test_stagemesh_kernels_builds_them_ahead_or_says_why_not(kernels):
+    if kernels == "1" and not cpu_kernels.load():
+        pytest.skip("the CPU kernels could not be built here (tests/test_paged_attention.py says why)")
+    done = subprocess.run([sys.executable, "-m", "stagemesh.cli", "kernels"], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, cpu_kernels.OFF_ENV: kernels})
+    if kernels == "1":
+        assert done.returncode == 0 and "CPU kernels: ready (" in done.stdout and ".so)" in done.stdout, done.stderr
+    else:
+        assert done.returncode == 1 and "not built (STAGEMESH_CPU_KERNELS=0)" in done.stdout, done.stderr

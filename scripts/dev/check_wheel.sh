@@ -4,8 +4,8 @@
 #    the CPU kernels' C++ sources;
 # 2. installs the wheel with every extra (at constraints.txt's versions) beside openai, fastapi and numpy into a
 #    fresh virtual environment, and asks pip whether everything fits (pip check);
-# 3. runs scripts/dev/smoke_installed.py there, from outside the checkout: a 2-stage mesh streams tokens with the CPU
-#    kernels loaded.
+# 3. there, from outside the checkout: `stagemesh kernels` builds the CPU kernels from the wheel's own sources into a
+#    fresh cache, and scripts/dev/smoke_installed.py streams tokens through a 2-stage mesh with them loaded.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$(pwd)
@@ -36,6 +36,7 @@ $PY -m venv "$OUT/venv"
 print('stagemesh', stagemesh.__version__, 'beside openai', openai.__version__, 'fastapi', fastapi.__version__,
       'numpy', numpy.__version__)"
 
-echo "== 3. from outside the checkout: a 2-stage mesh of the installed stagemesh, kernels loaded"
-(cd "$OUT" && "$OUT/venv/bin/python" "$ROOT/scripts/dev/smoke_installed.py")
+echo "== 3. from outside the checkout: the installed wheel's kernels built, a 2-stage mesh with them loaded"
+export XDG_CACHE_HOME="$OUT/cache"  # a cache of its own: the kernels are built from the wheel's own sources
+(cd "$OUT" && "$OUT/venv/bin/stagemesh" kernels && "$OUT/venv/bin/python" "$ROOT/scripts/dev/smoke_installed.py")
 echo "check_wheel: all steps passed"

@@ -9,8 +9,9 @@ lock makes concurrent stages wait for one build, and a build killed half-way lea
 loaded only from a folder this user owns and no one else may write to. A host where they cannot be built (no
 compiler, a failed build, a cache folder that fails that check) logs why, once, and runs torch's ops instead:
 decode attention by gather + SDPA, Linears by torch's matrix products; STAGEMESH_CPU_KERNELS=0 in the environment
-chooses that path on purpose. They are not built when the wheel is: that would need torch in the build
-environment, a multi-GB download for every install; the first stage on a machine builds them instead.
+chooses that path on purpose. `stagemesh kernels` builds them ahead (after an install, in an image build); they are
+not built when the wheel is, which would need torch in every build environment (a multi-GB download), so the
+first stage on a machine where that was not run builds them instead.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ OFF_ENV = "STAGEMESH_CPU_KERNELS"
 _lock = threading.Lock()
 _loaded = False
 _failure: str | None = None
+_library: Path | None = None
 
 
 def cache_root() -> Path:
@@ -68,6 +70,8 @@ def load() -> bool:
             try:
                 path, built = _build()
                 torch.ops.load_library(str(path))
+                global _library
+                _library = path
                 # what each op returns, as torch.compile traces it
                 torch.library.register_fake("stagemesh::decode_attention", _attention_shape)
                 torch.library.register_fake("stagemesh::packed_linear", _linear_shape)
@@ -80,6 +84,11 @@ def load() -> bool:
                 how = f"built in {time.perf_counter() - t0:.1f}s" if built else "from the cache"
                 log.info(f"CPU kernels: paged attention, packed Linears, decoder layers ({how}: {path})")
         return _loaded
+
+
+def status() -> str:
+    """Where the loaded library lies, or why none is (after load())."""
+    return str(_library) if _loaded else (_failure or "not tried")
 
 
 def _attention_shape(q: torch.Tensor, *_: object) -> torch.Tensor:
