@@ -50,6 +50,11 @@ class RouterStub:
                 request_serializer=stagemesh_dot_v1_dot_router__pb2.ListChainsRequest.SerializeToString,
                 response_deserializer=stagemesh_dot_v1_dot_router__pb2.ListChainsResponse.FromString,
                 _registered_method=True)
+        self.GetModelInfo = channel.unary_unary(
+                '/stagemesh.v1.Router/GetModelInfo',
+                request_serializer=stagemesh_dot_v1_dot_router__pb2.GetModelInfoRequest.SerializeToString,
+                response_deserializer=stagemesh_dot_v1_dot_router__pb2.ModelInfo.FromString,
+                _registered_method=True)
 
 
 class RouterServicer:
@@ -78,6 +83,13 @@ class RouterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetModelInfo(self, request, context):
+        """What this router serves: the model, its context and vocabulary, its fingerprint, its chat template.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RouterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -95,6 +107,11 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.ListChains,
                     request_deserializer=stagemesh_dot_v1_dot_router__pb2.ListChainsRequest.FromString,
                     response_serializer=stagemesh_dot_v1_dot_router__pb2.ListChainsResponse.SerializeToString,
+            ),
+            'GetModelInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetModelInfo,
+                    request_deserializer=stagemesh_dot_v1_dot_router__pb2.GetModelInfoRequest.FromString,
+                    response_serializer=stagemesh_dot_v1_dot_router__pb2.ModelInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -179,6 +196,33 @@ class Router:
             '/stagemesh.v1.Router/ListChains',
             stagemesh_dot_v1_dot_router__pb2.ListChainsRequest.SerializeToString,
             stagemesh_dot_v1_dot_router__pb2.ListChainsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetModelInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stagemesh.v1.Router/GetModelInfo',
+            stagemesh_dot_v1_dot_router__pb2.GetModelInfoRequest.SerializeToString,
+            stagemesh_dot_v1_dot_router__pb2.ModelInfo.FromString,
             options,
             channel_credentials,
             insecure,
