@@ -14,7 +14,7 @@ A failed call raises grpc.RpcError with the router's status and message (docs/ca
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,14 +24,45 @@ from stagemesh.v1 import router_pb2, router_pb2_grpc
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability (log-softmax of the model's raw logits), and the most likely tokens at its
+    position as (token id, log-probability), most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int  # of prompt_tokens, those the stages had in their prefix caches
+
+
+@dataclass(frozen=True)
 class Piece:
     """One message of a stream: the tokens made since the previous one, their text, and on the last message why
-    the stream ended ("length", "stop" or "eos"; "" before the last)."""
+    the stream ended ("length", "stop" or "eos"; "" before the last). logprobs: one per token id when asked;
+    usage: on the last message; seed: the seed the draws used, on the first message (None on the others)."""
 
     token_ids: tuple[int, ...]
     text: str
     finish_reason: str
     request_id: str
+    logprobs: tuple[TokenLogprob, ...] = ()
+    usage: Usage | None = None
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model: str
+    context_length: int
+    vocab_size: int
+    fingerprint: str  # "" while no chain is usable
+    chat_template: bool
+    eos_token_ids: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -66,13 +97,24 @@ class Client:
         self.stub = router_pb2_grpc.RouterStub(self.channel)
 
     def generate(self, prompt: str | Sequence[int], *, max_new_tokens: int = 64, temperature: float = 0.0,
-                 top_k: int = 0, top_p: float = 1.0, seed: int = 0, stop: Sequence[str] = (), priority: int = 0,
-                 request_id: str = "", timeout_s: float | None = None) -> Iterator[Piece]:
+                 top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] = (),
+                 priority: int = 0, request_id: str = "", timeout_s: float | None = None, min_p: float = 0.0,
+                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 0.0,
+                 logit_bias: Mapping[int, float] | None = None, logprobs: bool = False, top_logprobs: int = 0,
+                 stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
+                 min_tokens: int = 0) -> Iterator[Piece]:
         """Streams the generation of `prompt` (text, or token ids) piece by piece; the deadline covers the whole
-        stream. Leaving the loop early cancels the request (its sessions close on every stage)."""
+        stream. Leaving the loop early cancels the request (its sessions close on every stage). seed None: the
+        router draws one and reports it on the first piece. The fields are GenerateRequest's
+        (docs/calling.md)."""
         request = router_pb2.GenerateRequest(
-            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-            stop=list(stop), priority=priority, request_id=request_id)
+            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, stop=list(stop),
+            priority=priority, request_id=request_id, min_p=min_p, presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty,
+            logit_bias=dict(logit_bias or {}), logprobs=logprobs, top_logprobs=top_logprobs,
+            stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos, min_tokens=min_tokens)
+        if seed is not None:
+            request.seed = seed
         if isinstance(prompt, str):
             request.prompt = prompt
         else:
@@ -80,7 +122,12 @@ class Client:
         call = self.stub.Generate(request, timeout=timeout_s or self.timeout_s, metadata=self.metadata)
         try:
             for r in call:
-                yield Piece(tuple(r.token_ids), r.text, FINISH.get(r.finish_reason, ""), r.request_id)
+                yield Piece(tuple(r.token_ids), r.text, FINISH.get(r.finish_reason, ""), r.request_id,
+                            tuple(TokenLogprob(lp.token_id, lp.logprob, tuple((t.token_id, t.logprob) for t in lp.top))
+                                  for lp in r.logprobs),
+                            Usage(r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.cached_tokens)
+                            if r.HasField("usage") else None,
+                            r.seed if r.HasField("seed") else None)
         finally:
             call.cancel()  # a no-op once the stream has ended
 
@@ -92,6 +139,13 @@ class Client:
             text += piece.text
             reason = piece.finish_reason or reason
         return ids, text, reason
+
+    def model_info(self) -> ModelInfo:
+        """What the router serves: the model's name, context, vocabulary, fingerprint, chat template, end ids."""
+        info = self.stub.GetModelInfo(router_pb2.GetModelInfoRequest(), timeout=self.timeout_s,
+                                      metadata=self.metadata)
+        return ModelInfo(info.model, info.context_length, info.vocab_size, info.fingerprint, info.chat_template,
+                         tuple(info.eos_token_ids))
 
     def chains(self) -> list[ChainInfo]:
         """The router's chains and whether each is healthy now."""

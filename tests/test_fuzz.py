@@ -47,6 +47,16 @@ generate_requests = st.builds(
     stop=st.lists(st.text(max_size=40), max_size=20),
     priority=int32,
     request_id=st.one_of(st.just(""), text, st.just("x" * 16384), st.just("line\nbreak")),
+    min_p=floats,
+    presence_penalty=floats,
+    frequency_penalty=floats,
+    repetition_penalty=floats,
+    logit_bias=st.dictionaries(int32, floats, max_size=4),
+    logprobs=st.booleans(),
+    top_logprobs=st.one_of(st.integers(-2, 25), int32),
+    stop_token_ids=st.lists(st.one_of(st.integers(-2, 1100), int32), max_size=4),
+    ignore_eos=st.booleans(),
+    min_tokens=st.one_of(st.integers(-2, 10), int32),
 )
 
 tensors = st.builds(

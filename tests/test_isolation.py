@@ -31,14 +31,14 @@ async def test_a_step_that_fails_alone_fails_alone_and_the_chain_stays_usable(ti
     """A bad value that slipped through validation raises inside the batched pass's sampling: only
     its request ends (with an error), six greedy streams in the same passes finish exactly, and the
     next request is served at once (the chain was not marked down)."""
-    real_draw = sampling_module.draw  # sample_rows draws a pass's rows with it, and one row at a time if it fails
+    real_draw = sampling_module.draw_rows  # sample_rows draws a pass's rows with it, and one row at a time if it fails
 
-    def draw_or_fail(logits, params, positions):
+    def draw_or_fail(logits, params, positions, histories=None):
         if any(p.seed == POISON_SEED for p in params):
             raise RuntimeError("poisoned draw")
-        return real_draw(logits, params, positions)
+        return real_draw(logits, params, positions, histories)
 
-    monkeypatch.setattr(sampling_module, "draw", draw_or_fail)
+    monkeypatch.setattr(sampling_module, "draw_rows", draw_or_fail)
     mesh = await start_mesh(tiny_model, [splits(3, 5)], stage_options={"batcher": BatcherConfig(batch_window_ms=3)})
     try:
         stub = mesh.router_stub

@@ -72,7 +72,7 @@ def test_a_row_that_cannot_be_drawn_fails_alone():
     x = logits(3)
     x[1, 4] = float("nan")
     tokens = sample_rows(x, [Sampling(1.0, seed=1), Sampling(1.0, seed=2), None], [0, 0, 0])
-    assert tokens[0] == sample(x[0], Sampling(1.0, seed=1), 0)
+    assert tokens[0].token == sample(x[0], Sampling(1.0, seed=1), 0)
     assert isinstance(tokens[1], NotFinite) and tokens[2] is None
     with pytest.raises(NotFinite):
         sample(x[1], Sampling(1.0, seed=2), 0)

@@ -9,6 +9,7 @@ import itertools
 import logging
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -130,8 +131,13 @@ class ChainSession:
 
     def __init__(self, chain: Chain, max_length: int, request_id: str, deadline: float | None = None,
                  wire_dtype: str = "", progress: Progress | None = None, sampling: Sampling | None = None,
-                 keep_output: bool = False, prefix_ids: list[int] | None = None):
+                 keep_output: bool = False, prefix_ids: list[int] | None = None,
+                 history: Callable[[], list[int]] | None = None, prompt_length: int = 0):
         self.chain = chain
+        # Penalties: the request's tokens so far (prompt, then generated) and how many are the prompt's, told the
+        # last stage at every open (a repair's too) when the sampling has a penalty; it keeps them by position.
+        self.history = history
+        self.prompt_length = prompt_length
         # Prefix caching: what the session starts with (all but the last token it will be stepped with), told
         # every stage at open; each attaches what it has cached of it, and the session starts at the least.
         self.prefix_ids = prefix_ids or []
@@ -168,6 +174,9 @@ class ChainSession:
                                                request_id=self.request_id)
         if index == len(self.chain.stages) - 1:
             request.sampling.CopyFrom(self.sampling.to_pb())
+            if self.sampling.penalised:
+                request.token_history.extend(self.history() if self.history is not None else [])
+                request.prompt_length = self.prompt_length
         else:
             request.wire_dtype = self.wire_dtype
             request.keep_output = self.keep_output

@@ -34,6 +34,7 @@ class IncrementalText:
     _complete: str = ""
     _read: int = 0
     _window: int = 0
+    _before: int = 0  # with stop strings: the length of the text before the latest ids (complete characters)
     _decode: Callable[[list[int]], str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -54,14 +55,17 @@ class IncrementalText:
         return text
 
     def add(self, new_ids: list[int]) -> str:
-        """Returns the text that is now safe to release (may be empty)."""
+        """Returns the text that is now safe to release (may be empty). When new_ids complete a stop string
+        (stopped), the text released ends where the stop string begins or where new_ids' own text begins,
+        whichever is first: the tokens that completed it are not returned, nor is any of their text."""
         self.ids.extend(new_ids)
         text = self._text()
         if self.stop:
             hits = [i for i in (text.find(s, max(0, self.emitted - len(s))) for s in self.stop) if i >= 0]
             if hits:
                 self.stopped = True
-                return self._release(text, min(hits))
+                return self._release(text, min(*hits, self._before))
+            self._before = len(text.rstrip("\ufffd"))  # where the next tokens' text begins
         safe = len(text)
         if text.endswith("\ufffd"):
             safe = len(text.rstrip("\ufffd"))  # an incomplete UTF-8 sequence: wait for more

@@ -19,7 +19,7 @@ from stagemesh.router.chains import ChainSet, NoUsableChain
 from stagemesh.router.detokenizer import IncrementalText
 from stagemesh.router.forwarding import session_class
 from stagemesh.router.repair import Repairs
-from stagemesh.router.step_values import Sampling
+from stagemesh.router.step_values import Sampling, TokenLogprob
 from stagemesh.wire import WIRE_DTYPES
 
 log = logging.getLogger("stagemesh.router")
@@ -57,6 +57,16 @@ class GenerationRequest:
     top_p: float = 1.0
     seed: int = 0
     stop: tuple[str, ...] = ()
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 0.0  # 0 or 1: off
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    logprobs: bool = False
+    top_logprobs: int = 0
+    stop_token_ids: tuple[int, ...] = ()  # end the stream like end-of-sequence (finish "stop"), returned
+    ignore_eos: bool = False  # the model's end-of-sequence tokens do not end the stream
+    min_tokens: int = 0  # neither end-of-sequence nor stop_token_ids before this many new tokens
     priority: int = 0
     deadline: float | None = None  # event-loop time by which the request must be done
     caller: str = ""  # its token's name (router.auth), "" on an open router
@@ -66,12 +76,34 @@ class GenerationRequest:
         return {"request_id": self.request_id, "caller": self.caller, **more}
 
 
+    def sampling(self, eos_ids: frozenset[int]) -> Sampling:
+        """What the last stage is told: the request's sampling and processing, and for min_tokens the end tokens
+        it suppresses until the position of the min_tokens-th new token."""
+        ends = tuple(sorted(set(self.stop_token_ids) | (set() if self.ignore_eos else set(eos_ids))))
+        return Sampling(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed,
+                        min_p=self.min_p, presence_penalty=self.presence_penalty,
+                        frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+                        logit_bias=tuple(sorted(self.logit_bias.items())),
+                        suppress_ids=ends if self.min_tokens else (),
+                        suppress_until=len(self.prompt_ids) + self.min_tokens if self.min_tokens and ends else 0,
+                        logprobs=self.logprobs, top_logprobs=self.top_logprobs)
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int  # the tokens returned (a stop string's completing token is not)
+    cached_tokens: int  # of prompt_tokens, those the chain that finished had in its stages' prefix caches
+
+
 @dataclass
 class Piece:
     token_ids: list[int]
     text: str
     finish_reason: str | None = None  # "length", "stop" or "eos" on the last piece
     cached_tokens: int = 0  # on the last piece: what the chain that finished had in its prefix caches
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token id, when the request asked
+    usage: Usage | None = None  # on the last piece
 
 
 @dataclass
@@ -130,7 +162,9 @@ async def generate(
     req: GenerationRequest, chains: ChainSet, tokenizer, eos_ids: frozenset[int], config: GenerationConfig
 ) -> AsyncIterator[Piece]:
     """Yields the request's pieces; a failure the caller should see leaves as StatusError."""
-    sampling = Sampling(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=req.seed)
+    sampling = req.sampling(eos_ids)
+    stop_ids = frozenset(req.stop_token_ids)
+    ends = stop_ids | (frozenset() if req.ignore_eos else eos_ids)
     progress = Progress(floor_s=config.step_timeout_s)
     text = IncrementalText(tokenizer, req.stop)
     generated: list[int] = []
@@ -156,7 +190,15 @@ async def generate(
             history = req.prompt_ids + generated
             async with session_type(chain, max_length, req.request_id, req.deadline, config.wire_dtype,
                                     progress, sampling, keep_output=config.repair,
-                                    prefix_ids=history[:-1]) as session:
+                                    prefix_ids=history[:-1], history=lambda: req.prompt_ids + generated,
+                                    prompt_length=len(req.prompt_ids)) as session:
+
+                def last(token_ids: list[int], new_text: str, finish: str, logprobs: list[TokenLogprob]) -> Piece:
+                    """The stream's last piece, with the usage."""
+                    returned = len(generated) - (not token_ids)  # a stop string's token is not returned
+                    return Piece(token_ids, new_text, finish, session.attached, logprobs[: len(token_ids)],
+                                 Usage(len(req.prompt_ids), returned, session.attached))
+
                 # Everything the chain has not seen yet: the prompt at first (after a failover the
                 # prompt plus all tokens so far) past what its stages had cached, then one token per decode step.
                 feed = history[session.position:]
@@ -176,22 +218,23 @@ async def generate(
                         token = result.token_id
                         generated.append(token)
                         feed = [token]
-                        if token in eos_ids:
-                            yield Piece([token], text.flush(), "eos", session.attached)
+                        logprobs = [result.logprob] if req.logprobs and result.logprob is not None else []
+                        if token in ends and len(generated) > req.min_tokens:  # returned; its text is not
+                            yield last([token], text.flush(), "stop" if token in stop_ids else "eos", logprobs)
                             return
                         more = len(generated) < req.max_new_tokens
                         if more and not text.stop:  # no stop string: the text cannot end the stream
                             ahead = await step_ahead(session, feed, sampling, chunk)
                         new_text = text.add([token])
-                        if text.stopped:
-                            yield Piece([token], new_text, "stop", session.attached)
+                        if text.stopped:  # the token that completed the stop string is not returned
+                            yield last([], new_text, "stop", [])
                             return
                         if not more:
-                            yield Piece([token], new_text + text.flush(), "length", session.attached)
+                            yield last([token], new_text + text.flush(), "length", logprobs)
                             return
                         if ahead is None:
                             ahead = await step_ahead(session, feed, sampling, chunk)
-                        yield Piece([token], new_text)
+                        yield Piece([token], new_text, logprobs=logprobs)
                 finally:
                     if ahead is not None:  # the caller left while the next step was on its way
                         ahead.cancel()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -20,6 +21,7 @@ from stagemesh.request_limits import (
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
     InvalidSampling,
+    check_processing,
     check_sampling,
     request_id_problem,
 )
@@ -59,8 +61,16 @@ class RouterService(router_pb2_grpc.RouterServicer):
             raise StatusError(bad, "set either prompt or token_ids, not both")
         try:
             check_sampling(request.temperature, request.top_k, request.top_p)
+            check_processing(vocab_size=self.vocab_size, min_p=request.min_p,
+                             presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
+                             repetition_penalty=request.repetition_penalty, logit_bias=dict(request.logit_bias),
+                             logprobs=request.logprobs, top_logprobs=request.top_logprobs,
+                             stop_token_ids=list(request.stop_token_ids))
         except InvalidSampling as exc:
             raise StatusError(bad, str(exc)) from None
+        if request.min_tokens < 0 or request.min_tokens > max(request.max_new_tokens, 0):
+            raise StatusError(bad, f"min_tokens {request.min_tokens}: use 0..max_new_tokens "
+                                   f"({request.max_new_tokens})")
         if len(request.stop) > MAX_STOP_STRINGS or any(not 0 < len(s) <= MAX_STOP_CHARS for s in request.stop):
             raise StatusError(bad, f"stop: at most {MAX_STOP_STRINGS} strings of 1..{MAX_STOP_CHARS} characters")
         if request.max_new_tokens <= 0:
@@ -100,8 +110,19 @@ class RouterService(router_pb2_grpc.RouterServicer):
             temperature=request.temperature,
             top_k=request.top_k,
             top_p=request.top_p or 1.0,
-            seed=request.seed,
+            # Unset: a fresh one, reported on the first response so that the caller can reproduce the stream.
+            seed=request.seed if request.HasField("seed") else secrets.randbits(63),
             stop=tuple(request.stop),
+            min_p=request.min_p,
+            presence_penalty=request.presence_penalty,
+            frequency_penalty=request.frequency_penalty,
+            repetition_penalty=request.repetition_penalty,
+            logit_bias=dict(request.logit_bias),
+            logprobs=request.logprobs,
+            top_logprobs=request.top_logprobs,
+            stop_token_ids=tuple(request.stop_token_ids),
+            ignore_eos=request.ignore_eos,
+            min_tokens=request.min_tokens,
             priority=request.priority,
             deadline=deadline,
             caller=CALLER.get(),
@@ -121,7 +142,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         metrics.QUEUE_WAIT.labels(cls).observe(time.perf_counter() - arrived)
         metrics.PROMPT_TOKENS.inc(len(req.prompt_ids))
         status = "CANCELLED"
-        first = True
+        first = seed_untold = True
         last_token_at: float | None = None
         log.info(f"generate: {len(req.prompt_ids)} prompt tokens, up to {req.max_new_tokens} new, "
                  f"priority {req.priority}", extra=extra)
@@ -139,13 +160,23 @@ class RouterService(router_pb2_grpc.RouterServicer):
                                                     len(piece.token_ids), cls)
                         last_token_at = now
                     metrics.TOKENS.inc(len(piece.token_ids))
-                    yield router_pb2.GenerateResponse(
+                    response = router_pb2.GenerateResponse(
                         token_ids=piece.token_ids,
                         text=piece.text,
                         finish_reason=FINISH.get(piece.finish_reason, router_pb2.FINISH_REASON_UNSPECIFIED),
                         request_id=req.request_id,
                         cached_tokens=piece.cached_tokens,
                     )
+                    if seed_untold:
+                        response.seed, seed_untold = req.seed, False
+                    for lp in piece.logprobs:
+                        response.logprobs.add(token_id=lp.token_id, logprob=lp.logprob,
+                                              top=[router_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+                    if piece.usage is not None:
+                        response.usage.prompt_tokens = piece.usage.prompt_tokens
+                        response.usage.completion_tokens = piece.usage.completion_tokens
+                        response.usage.cached_tokens = piece.usage.cached_tokens
+                    yield response
             status = "OK"
             metrics.REQUEST_SECONDS.labels(cls).observe(time.perf_counter() - arrived)
         except NoUsableChain as exc:
@@ -209,6 +240,17 @@ class RouterService(router_pb2_grpc.RouterServicer):
             abandoned = True
             for t in tasks:
                 t.cancel()
+
+    async def GetModelInfo(self, request, context):
+        usable = sorted({c.fingerprint for c in self.chains.usable() if c.fingerprint})
+        return router_pb2.ModelInfo(
+            model=self.model_name,
+            context_length=self.max_position,
+            vocab_size=self.vocab_size,
+            fingerprint=",".join(usable),
+            chat_template=bool(getattr(self.tokenizer, "chat_template", None)),
+            eos_token_ids=sorted(self.eos_ids),
+        )
 
     async def ListChains(self, request, context):
         return router_pb2.ListChainsResponse(

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("session_id", "max_length", "request_id", "next_address", "next_key", "upstream_key", "sampling", "wire_dtype", "previous_address", "keep_output", "trace_context", "repairable", "prefix_ids", "prefix_salt")
+    __slots__ = ("session_id", "max_length", "request_id", "next_address", "next_key", "upstream_key", "sampling", "wire_dtype", "previous_address", "keep_output", "trace_context", "repairable", "prefix_ids", "prefix_salt", "token_history", "prompt_length")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,8 @@ class OpenSessionRequest(_message.Message):
     REPAIRABLE_FIELD_NUMBER: _ClassVar[int]
     PREFIX_IDS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_SALT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_HISTORY_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     max_length: int
     request_id: str
@@ -44,7 +46,9 @@ class OpenSessionRequest(_message.Message):
     repairable: bool
     prefix_ids: _containers.RepeatedScalarFieldContainer[int]
     prefix_salt: str
-    def __init__(self, session_id: _Optional[str] = ..., max_length: _Optional[int] = ..., request_id: _Optional[str] = ..., next_address: _Optional[str] = ..., next_key: _Optional[str] = ..., upstream_key: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., wire_dtype: _Optional[str] = ..., previous_address: _Optional[str] = ..., keep_output: _Optional[bool] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., repairable: _Optional[bool] = ..., prefix_ids: _Optional[_Iterable[int]] = ..., prefix_salt: _Optional[str] = ...) -> None: ...
+    token_history: _containers.RepeatedScalarFieldContainer[int]
+    prompt_length: int
+    def __init__(self, session_id: _Optional[str] = ..., max_length: _Optional[int] = ..., request_id: _Optional[str] = ..., next_address: _Optional[str] = ..., next_key: _Optional[str] = ..., upstream_key: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., wire_dtype: _Optional[str] = ..., previous_address: _Optional[str] = ..., keep_output: _Optional[bool] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., repairable: _Optional[bool] = ..., prefix_ids: _Optional[_Iterable[int]] = ..., prefix_salt: _Optional[str] = ..., token_history: _Optional[_Iterable[int]] = ..., prompt_length: _Optional[int] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
     __slots__ = ("session_id", "cached_positions")
@@ -65,16 +69,41 @@ class CloseSessionResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "seed")
+    __slots__ = ("temperature", "top_k", "top_p", "seed", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "suppress_ids", "suppress_until", "logprobs", "top_logprobs")
+    class LogitBiasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    SUPPRESS_IDS_FIELD_NUMBER: _ClassVar[int]
+    SUPPRESS_UNTIL_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
     seed: int
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+    min_p: float
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    logit_bias: _containers.ScalarMap[int, float]
+    suppress_ids: _containers.RepeatedScalarFieldContainer[int]
+    suppress_until: int
+    logprobs: bool
+    top_logprobs: int
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., suppress_ids: _Optional[_Iterable[int]] = ..., suppress_until: _Optional[int] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
     __slots__ = ("session_id", "start", "token_ids", "hidden", "sampling", "return_logits", "skip_sample", "wire_dtype", "follow", "hop_key")
@@ -117,16 +146,22 @@ class RelayStatus(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., code: _Optional[int] = ..., details: _Optional[str] = ...) -> None: ...
 
 class ForwardResponse(_message.Message):
-    __slots__ = ("session_id", "hidden", "token_id", "logits")
+    __slots__ = ("session_id", "hidden", "token_id", "logits", "logprob", "top_token_ids", "top_logprobs")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGITS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     hidden: _tensor_pb2.Tensor
     token_id: int
     logits: _tensor_pb2.Tensor
-    def __init__(self, session_id: _Optional[str] = ..., hidden: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., token_id: _Optional[int] = ..., logits: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    logprob: float
+    top_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, session_id: _Optional[str] = ..., hidden: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., token_id: _Optional[int] = ..., logits: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ReadOutputRequest(_message.Message):
     __slots__ = ("session_id", "start", "end", "chunk_tokens")

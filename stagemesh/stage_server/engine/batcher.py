@@ -33,7 +33,7 @@ from stagemesh.stage_server.config import BatcherConfig
 from stagemesh.stage_server.cpu.compute_thread import set_own_threads
 from stagemesh.stage_server.engine.kv_pool import PREEMPTED, PoolExhausted, Preempted
 from stagemesh.stage_server.engine.model import StageModel, StepSlice
-from stagemesh.stage_server.engine.sampling import Sampling, sample_rows
+from stagemesh.stage_server.engine.sampling import Logprobs, Sampling, sample_rows
 from stagemesh.stage_server.engine.step_timing import StepTiming
 from stagemesh.stage_server.service.sessions import Session, UnknownSession
 
@@ -73,6 +73,7 @@ class StepResult:
     hidden: torch.Tensor | None = None  # [n, hidden]
     token_id: int | None = None
     logits: torch.Tensor | None = None  # [vocab]
+    logprobs: Logprobs | None = None  # when the sampling asked for them
 
 
 class StepBatcher:
@@ -318,13 +319,16 @@ class StepBatcher:
             if self.model.is_last:
                 t0 = self.timing.since("model", t0, decode)
                 positions = [req.start + req.length for req in live]
-                tokens = sample_rows(out, [req.sampling for req in live], positions)
+                tokens = sample_rows(out, [req.sampling for req in live], positions,
+                                     [req.session.history for req in live])
                 wanted = [i for i, req in enumerate(live) if req.return_logits]
                 logits = dict(zip(wanted, out[wanted].cpu(), strict=True)) if wanted else {}
                 for i, req in enumerate(live):
                     token = tokens[i]
-                    results[id(req)] = (_step_error(token) if isinstance(token, Exception)
-                                        else StepResult(token_id=token, logits=logits.get(i)))
+                    results[id(req)] = (
+                        _step_error(token) if isinstance(token, Exception)
+                        else StepResult(token_id=None if token is None else token.token, logits=logits.get(i),
+                                        logprobs=None if token is None else token.logprobs))
                 self.timing.since("sample", t0, decode)
             else:
                 out = out.cpu()

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from stagemesh.stage_server.engine.kv_pool import KVPool, SessionCache
+from stagemesh.stage_server.engine.sampling import TokenHistory
 from stagemesh.stage_server.service.forwarding import Route
 from stagemesh.stage_server.service.output_log import LogBudget, OutputLog
 
@@ -51,6 +52,8 @@ class Session:
     """Forwarding: where its output goes, what it was told at open, where its router hears from it."""
     output: OutputLog | None = None
     """Repair: the hidden states it sent on (opened with keep_output, on a stage with a next stage)."""
+    history: TokenHistory | None = None
+    """Last stage, penalties: its tokens by position (OpenSession's token_history, then each token drawn)."""
 
     @property
     def in_use(self) -> bool:
