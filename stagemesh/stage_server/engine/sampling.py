@@ -200,9 +200,9 @@ def draw_rows(logits: torch.Tensor, params: list[Sampling], positions: list[int]
             for t, lp in zip(tokens, logprobs, strict=True)]
 
 
-def _sample(x: torch.Tensor, params: list[Sampling], positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Temperature, top-k, top-p, min-p, then the draw: each row's token and whether its probabilities were
-    finite. Greedy rows go through the same ops with temperature 1 (their token is the caller's argmax)."""
+def warp(x: torch.Tensor, params: list[Sampling]) -> torch.Tensor:
+    """Temperature, top-k, top-p and min-p, row by row: the logits the draw is made from (shifted so that each
+    row's best is 0; those filtered out -inf). Greedy rows go through with temperature 1."""
     device, vocab = x.device, x.shape[-1]
     temperature = torch.tensor([p.temperature or 1.0 for p in params], dtype=torch.float32, device=device)
     # Shift first: the best logit becomes 0, so a tiny temperature gives -inf for the others, not inf - inf.
@@ -225,7 +225,14 @@ def _sample(x: torch.Tensor, params: list[Sampling], positions: list[int]) -> tu
         probs = torch.softmax(x, dim=-1)
         floor = torch.tensor([p.min_p for p in params], dtype=probs.dtype, device=device)[:, None]
         x = x.masked_fill(probs < floor * probs.amax(dim=-1, keepdim=True), float("-inf"))
-    cdf = torch.softmax(x, dim=-1).cumsum(-1)  # [S, vocab]
+    return x
+
+
+def _sample(x: torch.Tensor, params: list[Sampling], positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The draw from the warped logits: each row's token, and whether its probabilities were finite (a greedy
+    row's token is the caller's argmax)."""
+    device, vocab = x.device, x.shape[-1]
+    cdf = torch.softmax(warp(x, params), dim=-1).cumsum(-1)  # [S, vocab]
     u = torch.tensor([uniform(p.seed, pos) for p, pos in zip(params, positions, strict=True)],
                      dtype=torch.float32, device=device)
     # The first token whose cumulative mass reaches u of the row's total: never one of mass 0.
