@@ -36,8 +36,9 @@ def tokenizer(tiny_models):
 
 async def test_a_stop_string_ends_the_stream_before_it_with_finish_reason_stop(tiny_model, hf_models, tokenizer):
     """A stop string that the greedy text contains (here across two tokens): the stream ends with
-    FINISH_REASON_STOP on the token that completed it, its text is everything before the stop string
-    (the stop string itself is cut, as router/detokenizer.py releases text), and nothing follows."""
+    FINISH_REASON_STOP before the token that completed it (not returned, issue 47: token_ids and text end at the
+    same place), its text is everything before the stop string (the stop string itself is cut, as
+    router/detokenizer.py releases text), and nothing follows."""
     ids = tokenizer("The quick brown fox")["input_ids"]
     greedy = hf_greedy(hf_models["llama"], ids, 40)
     full = tokenizer.decode(greedy, skip_special_tokens=True)
@@ -55,8 +56,10 @@ async def test_a_stop_string_ends_the_stream_before_it_with_finish_reason_stop(t
             request(ids, 40, stop=["never appears \u2603", stop]), timeout=60))
     finally:
         await mesh.stop()
-    assert got == greedy[:ends_at]  # no token after the one that completed the stop string
+    assert got == greedy[:ends_at - 1]  # neither the token that completed the stop string nor any after it
+    assert cut < len(tokenizer.decode(greedy[:ends_at - 1], skip_special_tokens=True))  # it began in a returned one
     assert text == full[:cut] and stop not in text
+    assert responses[-1].usage.completion_tokens == ends_at - 1
     assert responses[-1].finish_reason == router_pb2.FINISH_REASON_STOP
     assert all(r.finish_reason == router_pb2.FINISH_REASON_UNSPECIFIED for r in responses[:-1])
 
