@@ -153,11 +153,14 @@ def _penalise(x: torch.Tensor, params: list[Sampling], positions: list[int], his
     device, vocab, n = x.device, x.shape[-1], len(params)
     ends = [min(pos, h.capacity) for pos, h in zip(positions, histories, strict=True)]
     starts = [min(h.prompt_length, end) for h, end in zip(histories, ends, strict=True)]
+    # output_size: known here, so that the device is not asked (no sync on CUDA)
     seen_ids = torch.cat([h.tokens[:end] for h, end in zip(histories, ends, strict=True)])
-    seen_rows = torch.repeat_interleave(torch.arange(n, device=device), torch.tensor(ends, device=device))
+    seen_rows = torch.repeat_interleave(torch.arange(n, device=device), torch.tensor(ends, device=device),
+                                        output_size=sum(ends))
+    gen_lengths = [e - s for s, e in zip(starts, ends, strict=True)]
     gen_ids = torch.cat([h.tokens[s:e] for h, s, e in zip(histories, starts, ends, strict=True)])
-    gen_rows = torch.repeat_interleave(torch.arange(n, device=device),
-                                       torch.tensor([e - s for s, e in zip(starts, ends, strict=True)], device=device))
+    gen_rows = torch.repeat_interleave(torch.arange(n, device=device), torch.tensor(gen_lengths, device=device),
+                                       output_size=sum(gen_lengths))
     sub = x[rows]
     if any(p.repetition_penalty != 1.0 for p in params):
         seen = torch.zeros(n, vocab, dtype=torch.bool, device=device)

@@ -15,7 +15,7 @@ import torch
 from stagemesh import metrics, tensor_codec
 from stagemesh.errors import ErrorCodes, StatusError, request_id_of
 from stagemesh.processes import peak_rss_bytes
-from stagemesh.request_limits import InvalidSampling, check_processing
+from stagemesh.request_limits import MAX_STOP_TOKEN_IDS, InvalidSampling, check_processing
 from stagemesh.stage_server.cpu import packed_weights
 from stagemesh.stage_server.engine.batcher import BatcherStopped, OutOfMemory, StepBatcher, StepRequest, StepResult
 from stagemesh.stage_server.engine.kv_pool import PoolExhausted
@@ -39,6 +39,8 @@ from stagemesh.tls import Tls
 from stagemesh.v1 import stage_pb2, stage_pb2_grpc
 
 log = logging.getLogger("stagemesh.stage")
+MAX_SUPPRESS_IDS = MAX_STOP_TOKEN_IDS + 64
+"""min_tokens' end tokens: a request's stop_token_ids and the model's end-of-sequence ids."""
 _WIRE_IN, _WIRE_OUT = metrics.WIRE_BYTES.labels("in"), metrics.WIRE_BYTES.labels("out")
 
 
@@ -359,7 +361,9 @@ class StageService(stage_pb2_grpc.StageServicer):
         """A SamplingParams as the engine takes it; its bounds and token ids checked (InvalidSampling)."""
         vocab = self.model.args.vocab_size
         check_processing(vocab_size=vocab, logit_bias=dict(p.logit_bias), logprobs=p.logprobs,
-                         top_logprobs=p.top_logprobs, stop_token_ids=list(p.suppress_ids))
+                         top_logprobs=p.top_logprobs)
+        if len(p.suppress_ids) > MAX_SUPPRESS_IDS or any(not 0 <= t < vocab for t in p.suppress_ids):
+            raise InvalidSampling(f"suppress_ids: at most {MAX_SUPPRESS_IDS} ids in the vocabulary 0..{vocab - 1}")
         return Sampling(p.temperature, p.top_k, p.top_p or 1.0, p.seed, min_p=p.min_p,
                         presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
                         repetition_penalty=p.repetition_penalty or 1.0,
