@@ -15,16 +15,16 @@ import torch
 from stagemesh import metrics, tensor_codec
 from stagemesh.errors import ErrorCodes, StatusError, request_id_of
 from stagemesh.processes import peak_rss_bytes
-from stagemesh.request_limits import MAX_STOP_TOKEN_IDS, InvalidSampling, check_processing
+from stagemesh.request_limits import InvalidSampling
 from stagemesh.stage_server.cpu import packed_weights
 from stagemesh.stage_server.engine.batcher import BatcherStopped, OutOfMemory, StepBatcher, StepRequest, StepResult
 from stagemesh.stage_server.engine.kv_pool import PoolExhausted
 from stagemesh.stage_server.engine.model import StageModel
-from stagemesh.stage_server.engine.sampling import Sampling, TokenHistory
 from stagemesh.stage_server.engine.step_inputs import decode_inputs
 from stagemesh.stage_server.service.callers import caller_of, prefix_domain
 from stagemesh.stage_server.service.forwarding import FEED_END, Links, Route
 from stagemesh.stage_server.service.output_log import readable
+from stagemesh.stage_server.service.sampling_params import add_logprobs, history_of, sampling_of, step_sampling
 from stagemesh.stage_server.service.session_stream import end_streams, serve
 from stagemesh.stage_server.service.sessions import (
     Session,
@@ -39,8 +39,6 @@ from stagemesh.tls import Tls
 from stagemesh.v1 import stage_pb2, stage_pb2_grpc
 
 log = logging.getLogger("stagemesh.stage")
-MAX_SUPPRESS_IDS = MAX_STOP_TOKEN_IDS + 64
-"""min_tokens' end tokens: a request's stop_token_ids and the model's end-of-sequence ids."""
 _WIRE_IN, _WIRE_OUT = metrics.WIRE_BYTES.labels("in"), metrics.WIRE_BYTES.labels("out")
 
 
@@ -81,10 +79,8 @@ class StageService(stage_pb2_grpc.StageServicer):
 
     async def OpenSession(self, request, context):
         request_id = request.request_id or request_id_of(context)
-        sampling = self._sampling(request.sampling) if request.HasField("sampling") else None
-        history = None
-        if self.model.is_last and (request.token_history or (sampling is not None and sampling.penalised)):
-            history = self._history(request)
+        sampling = sampling_of(request.sampling, self.model.args.vocab_size) if request.HasField("sampling") else None
+        history = history_of(request, sampling, self.model)
         if request.wire_dtype and request.wire_dtype not in tensor_codec.WIRE_DTYPES:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
                               f"wire_dtype {request.wire_dtype!r}: use one of {', '.join(tensor_codec.WIRE_DTYPES)}")
@@ -202,11 +198,7 @@ class StageService(stage_pb2_grpc.StageServicer):
             tensor_codec.encode_hidden_into(response.hidden, result.hidden, wire_dtype or session.route.wire_dtype)
         if result.token_id is not None:
             response.token_id = result.token_id
-        if result.logprobs is not None:
-            response.logprob = result.logprobs.logprob
-            for token, logprob in result.logprobs.top:
-                response.top_token_ids.append(token)
-                response.top_logprobs.append(logprob)
+        add_logprobs(response, result.logprobs)
         if result.logits is not None:
             tensor_codec.encode_into(response.logits, result.logits)
         return response
@@ -347,40 +339,8 @@ class StageService(stage_pb2_grpc.StageServicer):
                               f"{cache.capacity}")
         sampling = None
         if self.model.is_last and not request.skip_sample:
-            if request.HasField("sampling"):
-                sampling = self._sampling(request.sampling)
-            else:
-                sampling = session.route.sampling or Sampling()  # as told at open; greedy if not
-            if sampling.penalised and session.history is None:
-                raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
-                                  "a penalty needs the session's tokens: open it with token_history and "
-                                  "prompt_length (and a penalty in its sampling)")
+            sampling = step_sampling(request, session.route.sampling, session.history, self.model.args.vocab_size)
         return StepRequest(session, request.start, inputs, sampling, request.return_logits)
-
-    def _sampling(self, p: stage_pb2.SamplingParams) -> Sampling:
-        """A SamplingParams as the engine takes it; its bounds and token ids checked (InvalidSampling)."""
-        vocab = self.model.args.vocab_size
-        check_processing(vocab_size=vocab, logit_bias=dict(p.logit_bias), logprobs=p.logprobs,
-                         top_logprobs=p.top_logprobs)
-        if len(p.suppress_ids) > MAX_SUPPRESS_IDS or any(not 0 <= t < vocab for t in p.suppress_ids):
-            raise InvalidSampling(f"suppress_ids: at most {MAX_SUPPRESS_IDS} ids in the vocabulary 0..{vocab - 1}")
-        return Sampling(p.temperature, p.top_k, p.top_p or 1.0, p.seed, min_p=p.min_p,
-                        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-                        repetition_penalty=p.repetition_penalty or 1.0,
-                        logit_bias=tuple(sorted(p.logit_bias.items())), suppress_ids=tuple(p.suppress_ids),
-                        suppress_until=p.suppress_until, logprobs=p.logprobs, top_logprobs=p.top_logprobs)
-
-    def _history(self, request: stage_pb2.OpenSessionRequest) -> TokenHistory:
-        """A last-stage session's tokens by position (penalties), from its open."""
-        ids, vocab = list(request.token_history), self.model.args.vocab_size
-        if len(ids) > request.max_length or not 0 <= request.prompt_length <= len(ids):
-            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"token_history has {len(ids)} ids and prompt_length is {request.prompt_length}: "
-                              f"send at most max_length ({request.max_length}) ids, the prompt's first")
-        if outside := [t for t in ids if not 0 <= t < vocab]:
-            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"token_history: token id {outside[0]} is outside the vocabulary 0..{vocab - 1}")
-        return TokenHistory(ids, request.prompt_length, request.max_length + 1, self.model.device)
 
     async def ReadOutput(self, request, context):
         session = self.sessions.get(request.session_id, caller_of(context))  # only the opener's, else NOT_FOUND
