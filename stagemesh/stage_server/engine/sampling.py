@@ -132,8 +132,7 @@ def process(logits: torch.Tensor, params: list[Sampling], positions: list[int],
     if penalised:
         if histories is None or any(histories[i] is None for i in penalised):
             raise ValueError("a penalty needs the session's token history (OpenSession's token_history)")
-        _penalise(x, [params[i] for i in penalised], [positions[i] for i in penalised],
-                  [histories[i] for i in penalised], torch.tensor(penalised, device=device))
+        _penalise(x, params, positions, histories)
     rows, ids = [], []
     for i, (p, pos) in enumerate(zip(params, positions, strict=True)):
         if p.suppress_ids and pos < p.suppress_until:
@@ -145,36 +144,38 @@ def process(logits: torch.Tensor, params: list[Sampling], positions: list[int],
     return x
 
 
-def _penalise(x: torch.Tensor, params: list[Sampling], positions: list[int], histories: list[TokenHistory],
-              rows: torch.Tensor) -> None:
+def _penalise(x: torch.Tensor, params: list[Sampling], positions: list[int],
+              histories: list[TokenHistory | None]) -> None:
     """Repetition (transformers' RepetitionPenaltyLogitsProcessor, over prompt and generated tokens), then
-    presence and frequency (OpenAI's, over the generated tokens) on x's rows `rows`, in place. The tokens seen
-    and their counts are built on the device by one scatter over every row's history."""
+    presence and frequency (OpenAI's, over the generated tokens) on every row of x in place (a row without a
+    penalty is left as it is: penalty 1, nothing seen). The tokens seen and their counts are built on the device by
+    one scatter over every penalised row's history: no gather or scatter of rows, no loop over tokens."""
     device, vocab, n = x.device, x.shape[-1], len(params)
-    ends = [min(pos, h.capacity) for pos, h in zip(positions, histories, strict=True)]
-    starts = [min(h.prompt_length, end) for h, end in zip(histories, ends, strict=True)]
+    ends = [min(pos, h.capacity) if p.penalised else 0
+            for p, pos, h in zip(params, positions, histories, strict=True)]
+    starts = [min(h.prompt_length, end) if h is not None else 0 for h, end in zip(histories, ends, strict=True)]
+    taken = [i for i in range(n) if ends[i]]
     # output_size: known here, so that the device is not asked (no sync on CUDA)
-    seen_ids = torch.cat([h.tokens[:end] for h, end in zip(histories, ends, strict=True)])
+    seen_ids = torch.cat([histories[i].tokens[: ends[i]] for i in taken]) if taken else x.new_zeros(0, dtype=torch.long)
     seen_rows = torch.repeat_interleave(torch.arange(n, device=device), torch.tensor(ends, device=device),
                                         output_size=sum(ends))
     gen_lengths = [e - s for s, e in zip(starts, ends, strict=True)]
-    gen_ids = torch.cat([h.tokens[s:e] for h, s, e in zip(histories, starts, ends, strict=True)])
+    gen_ids = (torch.cat([histories[i].tokens[starts[i]: ends[i]] for i in taken]) if taken
+               else x.new_zeros(0, dtype=torch.long))
     gen_rows = torch.repeat_interleave(torch.arange(n, device=device), torch.tensor(gen_lengths, device=device),
                                        output_size=sum(gen_lengths))
-    sub = x[rows]
     if any(p.repetition_penalty != 1.0 for p in params):
         seen = torch.zeros(n, vocab, dtype=torch.bool, device=device)
         seen[seen_rows, seen_ids] = True
         penalty = torch.tensor([p.repetition_penalty for p in params], dtype=x.dtype, device=device)[:, None]
-        sub = torch.where(seen, torch.where(sub < 0, sub * penalty, sub / penalty), sub)
+        x.copy_(torch.where(seen, torch.where(x < 0, x * penalty, x / penalty), x))
     if any(p.presence_penalty or p.frequency_penalty for p in params):
         counts = torch.zeros(n, vocab, dtype=x.dtype, device=device)
         counts.index_put_((gen_rows, gen_ids), torch.ones((), dtype=x.dtype, device=device).expand(len(gen_ids)),
                           accumulate=True)
         frequency = torch.tensor([p.frequency_penalty for p in params], dtype=x.dtype, device=device)[:, None]
         presence = torch.tensor([p.presence_penalty for p in params], dtype=x.dtype, device=device)[:, None]
-        sub = sub - frequency * counts - presence * (counts > 0).to(x.dtype)
-    x[rows] = sub
+        x.sub_(frequency * counts + presence * (counts > 0).to(x.dtype))
 
 
 def draw_rows(logits: torch.Tensor, params: list[Sampling], positions: list[int],
