@@ -55,6 +55,10 @@ class RouterConfig:
     consul+https://HOST:PORT, etcd://HOST:PORT[,HOST:PORT...] or etcd+https://...) instead of --chain."""
     model_name: str = ""
     """The model's name in the registry (default: the checkpoint directory's name)."""
+    panic_threshold: float = 0.5
+    """A published table that would leave fewer than this share of the chains passing the router's own checks is
+    followed only in part: the chains it drops that still pass keep serving until their checks fail (a scheduler
+    that lost sight of stages must not take working chains away). 0: follow every table."""
     tracing: TracingConfig = field(default_factory=TracingConfig)
     metrics_port: int | None = None
     """Serve Prometheus metrics on this port (default: none)."""
@@ -94,6 +98,8 @@ class RouterConfig:
             raise refused(self, "long_prompt_tokens", "must be >= 0 prompt tokens (0: route by load alone)")
         if not self.health_interval_s > 0:
             raise refused(self, "health_interval_s", "must be > 0 seconds between health checks")
+        if not 0 <= self.panic_threshold <= 1:
+            raise refused(self, "panic_threshold", "must be a share in [0, 1] (0: follow every table)")
         self.model_name = self.model_name or Path(self.model).name
 
 
@@ -145,7 +151,8 @@ class RouterServer:
                                model_fingerprint(config.model), on_change=self._on_chains_change,
                                prefill_chunk=config.generation.prefill_chunk, tls=self.tls,
                                long_prompt_tokens=config.long_prompt_tokens,
-                               slots_per_chain=config.admission.slots_per_chain)
+                               slots_per_chain=config.admission.slots_per_chain,
+                               panic_threshold=config.panic_threshold)
         for chain in self.chains.chains:
             chain.healthy = False  # until the first health check passes
         self.admission = PriorityAdmission(config.admission, lambda: len(self.chains.usable()))

@@ -40,7 +40,7 @@ class PlanConfig:
 async def serve_scheduler(config: SchedulerConfig, registry_url: str, tls: Tls | None = None) -> None:
     metrics.serve_metrics(config.metrics_port, config.host)
     registry = open_registry(registry_url, tls)
-    scheduler = Scheduler(config, registry)
+    scheduler = Scheduler(config, registry, tls)
     task = asyncio.get_running_loop().create_task(scheduler.run())
     print(f"scheduler ready ({config.scheduler_id}, registry {registry_url})", flush=True)
     await until_signalled()
