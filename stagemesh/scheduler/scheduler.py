@@ -48,7 +48,8 @@ log = logging.getLogger("stagemesh.scheduler")
 
 STAGE_SERVICE = stage_pb2.DESCRIPTOR.services_by_name["Stage"].full_name
 PROBE_TIMEOUT_S = 1.0
-"""How long a stage whose registration lapsed has to answer the scheduler's health check to keep its place."""
+"""How long a stage whose registration lapsed has to answer the scheduler's health check to keep its place (at
+most a quarter of the leader lock's TTL: the leader renews its lock between reconciles)."""
 
 
 @dataclass
@@ -295,7 +296,8 @@ class Scheduler:
             channel = self._probes[address] = grpc_server.channel(address, self.tls)
         try:
             reply = await health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=STAGE_SERVICE), timeout=PROBE_TIMEOUT_S)
+                health_pb2.HealthCheckRequest(service=STAGE_SERVICE),
+                timeout=min(PROBE_TIMEOUT_S, self.config.lock_ttl_s / 4))
         except grpc.RpcError:
             return False
         return reply.status == health_pb2.HealthCheckResponse.SERVING
