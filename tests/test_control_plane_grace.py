@@ -6,10 +6,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+import pytest
+
 from stagemesh.discovery.backends import open_registry
 from stagemesh.discovery.chain_table import decode_chains, encode_chains
-from stagemesh.discovery.registry import chains_key
-from stagemesh.scheduler.scheduler import Scheduler, SchedulerConfig
+from stagemesh.discovery.registry import ServiceRecord, assignment_key, chains_key, leader_key
+from stagemesh.scheduler.scheduler import LeaseLapsing, Scheduler, SchedulerConfig
 from stagemesh.v1 import router_pb2
 from tests.conftest import collect, until
 from tests.harness.link_proxy import LinkProxy
@@ -95,3 +97,27 @@ async def test_router_keeps_chains_that_pass_its_checks_when_a_table_drops_most_
     finally:
         await registry.close()
     assert servers
+
+
+async def test_a_leader_past_its_renew_deadline_writes_nothing(plane):  # noqa: F811
+    """A leader whose event loop stalled past two thirds of its lease (a pause, a long reconcile) may already have
+    been replaced: it stops acting and writes no assignment; the same leader within its deadline writes it."""
+    registry = open_registry(plane.url)
+    scheduler = Scheduler(SchedulerConfig(model=str(plane.model), lock_ttl_s=1.0), open_registry(plane.url))
+    try:
+        assert await registry.acquire_lock(leader_key(plane.model.name), scheduler.config.scheduler_id, 30)
+        await registry.register(ServiceRecord("joiner", "127.0.0.1:9", plane.model.name,
+                                              {"budget_bytes": str(10**12), "speed": "1"}), ttl_s=30)
+        services = await registry.services(plane.model.name)
+        scheduler._renewed_at = asyncio.get_running_loop().time() - 10  # its last renewal: 10 leases ago
+        with pytest.raises(LeaseLapsing):
+            await scheduler.reconcile(services)
+        assert await registry.kv_get(assignment_key(plane.model.name, "joiner")) == (None, 0)
+
+        scheduler._renewed_at = asyncio.get_running_loop().time()  # renewed just now: it acts
+        await scheduler.reconcile(services)
+        assert (await registry.kv_get(assignment_key(plane.model.name, "joiner")))[0] == b"0:8"
+    finally:
+        await scheduler.stop()
+        await scheduler.registry.close()
+        await registry.close()

@@ -104,6 +104,10 @@ class SchedulerConfig:
             raise refused(self, "metrics_port", "must be 1..65535")
 
 
+class LeaseLapsing(Exception):
+    """The leader could not renew its lock in time: it must stop acting before the lease lapses."""
+
+
 def host_of(status: ServiceStatus, num_layers: int) -> placement.Host:
     """The host a registration describes; ValueError (saying which value) when its meta is malformed
     or out of range: anyone can write a registration, and one bad one must not stop scheduling."""
@@ -157,6 +161,8 @@ class Scheduler:
         # still answers; and a channel to each such stage, to ask it.
         self._last_passing: dict[str, ServiceStatus] = {}
         self._probes: dict[str, grpc.aio.Channel] = {}
+        self._kept: list[str] = []  # the lapsed stages kept at the last reconcile (sorted ids)
+        self._renewed_at = 0.0  # event-loop time at which the last successful renewal (or the acquire) was asked
 
     @property
     def name(self) -> str:
@@ -184,13 +190,18 @@ class Scheduler:
         metrics.announce("scheduler", self.name)
         while True:
             try:
+                asked = asyncio.get_running_loop().time()
                 if await self.registry.acquire_lock(leader_key(self.name), self.config.scheduler_id, ttl):
+                    self._renewed_at = asked
                     log.info(f"{self.config.scheduler_id} leads scheduling of {self.name}")
                     self.leading = True
                     metrics.SCHEDULER_LEADER.set(1)
                     metrics.SCHEDULER_TAKEOVERS.inc()
                     await self._lead()
                     log.warning(f"{self.config.scheduler_id} lost the leader lock; standing by")
+            except LeaseLapsing:
+                log.warning(f"{self.config.scheduler_id} could not renew the leader lock in time; it stopped "
+                            "acting before its lease could lapse, and stands by")
             except RegistryError as exc:
                 log.warning(f"registry unreachable ({exc}); retrying")
             except Exception as exc:  # a bug or bad data: stand down, log, campaign again (never die)
@@ -215,10 +226,36 @@ class Scheduler:
             await channel.close()
         self._probes.clear()
 
+    def _check_lease(self) -> None:
+        """Renew-deadline: a leader acts only while its lease surely holds, the last renewal asked less than two
+        thirds of the TTL ago; past that a standby may be about to take over, so it writes nothing more."""
+        if asyncio.get_running_loop().time() - self._renewed_at >= self.config.lock_ttl_s * 2 / 3:
+            raise LeaseLapsing()
+
+    async def _keep_lock(self) -> None:
+        """Renews the lock every third of its TTL on its own, whatever a reconcile costs; returns when a renewal
+        finds the lock lost."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self.config.lock_ttl_s / 3)
+            asked = loop.time()
+            if not await self.registry.renew_lock(leader_key(self.name), self.config.scheduler_id):
+                return
+            self._renewed_at = asked
+
     async def _lead(self) -> None:
+        keeper = asyncio.get_running_loop().create_task(self._keep_lock(), name="scheduler-lock")
+        try:
+            await self._lead_while(keeper)
+        finally:
+            keeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await keeper  # a renewal's RegistryError surfaces here, to run()
+
+    async def _lead_while(self, keeper: asyncio.Task) -> None:
         loop = asyncio.get_running_loop()
         ttl = self.config.lock_ttl_s
-        index, renewed = 0, loop.time()
+        index = 0
         # Start from what serves (placement.serving_plan), so a takeover changes nothing that works.
         self.plan, self.published = None, None
         self._versions = {}
@@ -236,12 +273,10 @@ class Scheduler:
         if table is None:
             log.info(f"no chain table in the registry: watching registrations for {self.config.settle_s:g}s "
                      "before planning")
-        while True:
+        while not keeper.done():
             index, services = await self.registry.watch_services(index, timeout_s=ttl / 3, model=self.name)
-            if loop.time() - renewed >= ttl / 3:
-                if not await self.registry.renew_lock(leader_key(self.name), self.config.scheduler_id):
-                    return
-                renewed = loop.time()
+            if keeper.done():
+                return
             if loop.time() >= settled:
                 t0 = time.perf_counter()
                 await self.reconcile(services)
@@ -250,6 +285,7 @@ class Scheduler:
     async def _write(self, key: str, value: bytes) -> bool:
         """Check-and-set against the version this leader last wrote (or read at takeover): a write that
         finds someone else's newer version means another scheduler acts too, so this one stands down."""
+        self._check_lease()
         index = self._versions.get(key)
         if index is None:
             _, index = await self.registry.kv_get(key)
@@ -273,22 +309,23 @@ class Scheduler:
         lapsed = [last for sid, last in self._last_passing.items()
                   if not (sid in current and current[sid].passing)]
         answers = await asyncio.gather(*(self._serving(s.record.address) for s in lapsed))
-        kept = []
+        kept = [last for last, answered in zip(lapsed, answers, strict=True) if answered]
         for last, answered in zip(lapsed, answers, strict=True):
-            sid = last.record.service_id
-            message = f"stage {sid}'s registration lapsed but it answers its health checks: it keeps its place"
-            if answered:
-                kept.append(last)
-                self._report(message)
-                continue
-            del self._last_passing[sid]
-            self._reported.discard(message)  # a later lapse is reported again
-            if (channel := self._probes.pop(last.record.address, None)) is not None:
-                await channel.close()
-            log.warning(f"stage {sid}'s registration lapsed and it does not answer: planning without it")
+            if not answered:
+                del self._last_passing[last.record.service_id]
+                if (channel := self._probes.pop(last.record.address, None)) is not None:
+                    await channel.close()
+                log.warning(f"stage {last.record.service_id}'s registration lapsed and it does not answer: "
+                            "planning without it")
+        kept_ids = sorted(s.record.service_id for s in kept)
+        if kept_ids != self._kept:  # said when the set changes, not at every reconcile
+            self._kept = kept_ids
+            if kept_ids:
+                log.warning(f"{len(kept_ids)} stage(s) whose registration lapsed answer their health checks and "
+                            f"keep their place: {', '.join(kept_ids[:10])}{' ...' if len(kept_ids) > 10 else ''}")
         metrics.STAGES_SEEN.labels("lapsed").set(len(kept))
-        kept_ids = {s.record.service_id for s in kept}
-        return [s for s in services if s.record.service_id not in kept_ids] + kept
+        kept_set = set(kept_ids)
+        return [s for s in services if s.record.service_id not in kept_set] + kept
 
     async def _serving(self, address: str) -> bool:
         channel = self._probes.get(address)
@@ -327,17 +364,25 @@ class Scheduler:
 
         wanted = new_plan.assignments()
         metrics.STAGES_SEEN.labels("assigned").set(sum(1 for sid in live if wanted.get(sid)))
+        changed = {}
         for sid, status in live.items():
             if status.record.meta.get("fixed") == "1":
                 continue
             rng = wanted.get(sid)
             value = f"{rng[0]}:{rng[1]}" if rng else ""
             if self._assigned.get(sid) != value:
-                await self.registry.kv_put(assignment_key(self.name, sid), value.encode())
-                self._assigned[sid] = value
-                log.info(f"assigned layers {value or '(none: spare)'} to {sid}")
-        for sid in [sid for sid in self._assigned if sid not in live]:
-            await self.registry.kv_delete(assignment_key(self.name, sid))
+                changed[sid] = value
+        gone = [sid for sid in self._assigned if sid not in live]
+        if changed or gone:
+            self._check_lease()
+            # Concurrently: at fleet size, one write after another would hold the plan back for seconds.
+            await asyncio.gather(*(self.registry.kv_put(assignment_key(self.name, sid), v.encode())
+                                   for sid, v in changed.items()),
+                                 *(self.registry.kv_delete(assignment_key(self.name, sid)) for sid in gone))
+        for sid, value in changed.items():
+            self._assigned[sid] = value
+            log.info(f"assigned layers {value or '(none: spare)'} to {sid}")
+        for sid in gone:
             del self._assigned[sid]
 
         by_id = {h.host_id: h for h in hosts}
