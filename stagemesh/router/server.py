@@ -14,7 +14,7 @@ import grpc
 from stagemesh import grpc_server, metrics, tls
 from stagemesh.checkpoint import model_fingerprint
 from stagemesh.config_flags import PORT_RULE, refused
-from stagemesh.discovery.backends import open_registry
+from stagemesh.discovery.backends import open_registry, plaintext_hosts
 from stagemesh.errors import StatusInterceptor
 from stagemesh.router.auth import AuthInterceptor, TokenAuth
 from stagemesh.router.chain_client import background
@@ -24,6 +24,7 @@ from stagemesh.router.generation import GenerationConfig
 from stagemesh.router.priority_queue import AdmissionConfig, PriorityAdmission
 from stagemesh.router.router_service import RouterService
 from stagemesh.signals import until_signalled
+from stagemesh.tls import PlaintextConfig
 from stagemesh.tracing import TracingConfig
 from stagemesh.v1 import router_pb2, router_pb2_grpc
 
@@ -75,6 +76,7 @@ class RouterConfig:
     """A JSON file of callers' tokens ({"tokens": [{"name", "token", "max_priority", "requests_per_second"}]}):
     calls need 'authorization: Bearer <token>' (health and reflection stay open); reloaded on SIGHUP
     (default: no tokens, any caller)."""
+    plaintext: PlaintextConfig = field(default_factory=PlaintextConfig)
 
     def __post_init__(self) -> None:
         if bool(self.chains) == bool(self.registry):
@@ -94,6 +96,11 @@ class RouterConfig:
             raise refused(self, "long_prompt_tokens", "must be >= 0 prompt tokens (0: route by load alone)")
         if not self.health_interval_s > 0:
             raise refused(self, "health_interval_s", "must be > 0 seconds between health checks")
+        # The public port is TLS with --tls or --public-cert; the hops to stages and the registry with --tls only.
+        self.plaintext.refuse(self.tls or self.public_cert, listens=(self.host,),
+                              bearer_tokens=self.auth_tokens is not None)
+        self.plaintext.refuse(self.tls, dials=(*(a.strip() for c in self.chains for a in c.split(",") if a.strip()),
+                                               *plaintext_hosts(self.registry)))
         self.model_name = self.model_name or Path(self.model).name
 
 

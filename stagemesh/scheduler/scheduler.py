@@ -25,6 +25,7 @@ from stagemesh.checkpoint import (
     serving_dtype,
 )
 from stagemesh.config_flags import NOT_A_FLAG, PORT_RULE, refused
+from stagemesh.discovery.backends import plaintext_hosts
 from stagemesh.discovery.chain_table import PublishedChain, PublishedStage, decode_chains, encode_chains
 from stagemesh.discovery.registry import (
     Registry,
@@ -37,6 +38,7 @@ from stagemesh.discovery.registry import (
     parse_layers,
 )
 from stagemesh.scheduler import placement, tp_advice
+from stagemesh.tls import PlaintextConfig
 from stagemesh.tracing import TracingConfig
 
 log = logging.getLogger("stagemesh.scheduler")
@@ -72,6 +74,7 @@ class SchedulerConfig:
     tls: str | None = None
     """A directory with ca.pem, mesh.pem and mesh-key.pem (`stagemesh certs`): the hosted registry serves mutual
     TLS and the scheduler reaches its registry with it (default: plaintext)."""
+    plaintext: PlaintextConfig = field(default_factory=PlaintextConfig)
     metrics_port: int | None = None
     """Serve Prometheus metrics on this port (default: none): leadership, chains published, stages seen and
     assigned, reconcile time; with --registry local, the hosted registry's too."""
@@ -92,6 +95,8 @@ class SchedulerConfig:
             raise refused(self, "registry_port", PORT_RULE)
         if self.metrics_port is not None and not 0 < self.metrics_port <= 65535:
             raise refused(self, "metrics_port", "must be 1..65535")
+        self.plaintext.refuse(self.tls, listens=(self.host,) if self.registry == "local" else (),
+                              dials=plaintext_hosts(self.registry))
 
 
 def host_of(status: ServiceStatus, num_layers: int) -> placement.Host:
