@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import secrets
 import time
 import uuid
 from collections import Counter
@@ -34,6 +35,7 @@ from stagemesh.discovery.registry import (
     assignment_key,
     assignments_prefix,
     chains_key,
+    holder_name,
     leader_key,
     parse_layers,
 )
@@ -143,6 +145,9 @@ class Scheduler:
         self.plan: placement.Plan | None = None
         self.published: list[PublishedChain] | None = None
         self.leading = False
+        # The leader lock's holder id is a secret (whoever sends it renews or releases the lock); the registry
+        # shows others its digest, holder_name, which is also what this scheduler logs.
+        self.holder_id = f"{config.scheduler_id}-{secrets.token_hex(16)}"
         self._assigned: dict[str, str] = {}
         self._versions: dict[str, int] = {}  # key -> modify_index of this leader's last write
         self._reported: set[str] = set()  # problems already logged: each once, not once per poll
@@ -174,8 +179,9 @@ class Scheduler:
         metrics.announce("scheduler", self.name)
         while True:
             try:
-                if await self.registry.acquire_lock(leader_key(self.name), self.config.scheduler_id, ttl):
-                    log.info(f"{self.config.scheduler_id} leads scheduling of {self.name}")
+                if await self.registry.acquire_lock(leader_key(self.name), self.holder_id, ttl):
+                    log.info(f"{self.config.scheduler_id} ({holder_name(self.holder_id)}) leads scheduling of "
+                             f"{self.name}")
                     self.leading = True
                     metrics.SCHEDULER_LEADER.set(1)
                     metrics.SCHEDULER_TAKEOVERS.inc()
@@ -200,7 +206,7 @@ class Scheduler:
     async def stop(self) -> None:
         if self.leading:
             with contextlib.suppress(RegistryError):
-                await self.registry.release_lock(leader_key(self.name), self.config.scheduler_id)
+                await self.registry.release_lock(leader_key(self.name), self.holder_id)
 
     async def _lead(self) -> None:
         loop = asyncio.get_running_loop()
@@ -226,7 +232,7 @@ class Scheduler:
         while True:
             index, services = await self.registry.watch_services(index, timeout_s=ttl / 3, model=self.name)
             if loop.time() - renewed >= ttl / 3:
-                if not await self.registry.renew_lock(leader_key(self.name), self.config.scheduler_id):
+                if not await self.registry.renew_lock(leader_key(self.name), self.holder_id):
                     return
                 renewed = loop.time()
             if loop.time() >= settled:
