@@ -240,7 +240,8 @@ class PriorityAdmission:
         ticket = Ticket(caller, charged)
         if self.running < self.slots and not any(q.count for q in self.queues.values()) \
                 and self._may_run(caller, limits):
-            self.queues[cls].charge(caller)  # its turn, taken: the fair queue counts it
+            queue = self.queues[cls]  # served now: its tag is the virtual time, as for a waiter let in
+            queue.virtual = max(queue.virtual, queue.charge(caller))
             self._admit(caller)
             self._gauges()
             return ticket
