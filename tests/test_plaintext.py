@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 
 import grpc
 import pytest
@@ -24,6 +25,8 @@ def refusal(*args: str) -> subprocess.CompletedProcess:
     """How `stagemesh ARGS` ended: its exit, or (returncode None) its ready line, after which it is stopped."""
     popen = subprocess.Popen([sys.executable, "-m", "stagemesh.cli", *args], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, env=os.environ.copy())
+    watchdog = threading.Timer(EXIT_TIMEOUT_S, popen.kill)  # neither exit nor ready line: the read below ends
+    watchdog.start()
     try:
         for line in popen.stdout:  # ends at its exit; a process that starts prints its ready line
             if READY.search(line):
@@ -31,6 +34,7 @@ def refusal(*args: str) -> subprocess.CompletedProcess:
                 return subprocess.CompletedProcess(args, None, "", f"started: {line}")
         return subprocess.CompletedProcess(args, popen.wait(EXIT_TIMEOUT_S), "", popen.stderr.read())
     finally:
+        watchdog.cancel()
         if popen.poll() is None:
             popen.kill()
         popen.wait(EXIT_TIMEOUT_S)
