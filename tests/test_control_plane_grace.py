@@ -105,7 +105,7 @@ async def test_a_leader_past_its_renew_deadline_writes_nothing(plane):  # noqa: 
     registry = open_registry(plane.url)
     scheduler = Scheduler(SchedulerConfig(model=str(plane.model), lock_ttl_s=1.0), open_registry(plane.url))
     try:
-        assert await registry.acquire_lock(leader_key(plane.model.name), scheduler.config.scheduler_id, 30)
+        assert await registry.acquire_lock(leader_key(plane.model.name), scheduler.holder_id, 30)
         await registry.register(ServiceRecord("joiner", "127.0.0.1:9", plane.model.name,
                                               {"budget_bytes": str(10**12), "speed": "1"}), ttl_s=30)
         services = await registry.services(plane.model.name)

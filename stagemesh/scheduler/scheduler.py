@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import secrets
 import time
 import uuid
 from collections import Counter
@@ -28,6 +29,7 @@ from stagemesh.checkpoint import (
     serving_dtype,
 )
 from stagemesh.config_flags import NOT_A_FLAG, PORT_RULE, refused
+from stagemesh.discovery.backends import plaintext_hosts
 from stagemesh.discovery.chain_table import PublishedChain, PublishedStage, decode_chains, encode_chains
 from stagemesh.discovery.registry import (
     Registry,
@@ -36,11 +38,12 @@ from stagemesh.discovery.registry import (
     assignment_key,
     assignments_prefix,
     chains_key,
+    holder_name,
     leader_key,
     parse_layers,
 )
 from stagemesh.scheduler import placement, tp_advice
-from stagemesh.tls import Tls
+from stagemesh.tls import PlaintextConfig, Tls
 from stagemesh.tracing import TracingConfig
 from stagemesh.v1 import stage_pb2
 
@@ -82,6 +85,7 @@ class SchedulerConfig:
     tls: str | None = None
     """A directory with ca.pem, mesh.pem and mesh-key.pem (`stagemesh certs`): the hosted registry serves mutual
     TLS and the scheduler reaches its registry with it (default: plaintext)."""
+    plaintext: PlaintextConfig = field(default_factory=PlaintextConfig)
     metrics_port: int | None = None
     """Serve Prometheus metrics on this port (default: none): leadership, chains published, stages seen and
     assigned, reconcile time; with --registry local, the hosted registry's too."""
@@ -102,6 +106,8 @@ class SchedulerConfig:
             raise refused(self, "registry_port", PORT_RULE)
         if self.metrics_port is not None and not 0 < self.metrics_port <= 65535:
             raise refused(self, "metrics_port", "must be 1..65535")
+        self.plaintext.refuse(self.tls, listens=(self.host,) if self.registry == "local" else (),
+                              dials=plaintext_hosts(self.registry))
 
 
 class LeaseLapsing(Exception):
@@ -153,6 +159,9 @@ class Scheduler:
         self.plan: placement.Plan | None = None
         self.published: list[PublishedChain] | None = None
         self.leading = False
+        # The leader lock's holder id is a secret (whoever sends it renews or releases the lock); the registry
+        # shows others its digest, holder_name, which is also what this scheduler logs.
+        self.holder_id = f"{config.scheduler_id}-{secrets.token_hex(16)}"
         self._assigned: dict[str, str] = {}
         self._versions: dict[str, int] = {}  # key -> modify_index of this leader's last write
         self._reported: set[str] = set()  # problems already logged: each once, not once per poll
@@ -191,9 +200,10 @@ class Scheduler:
         while True:
             try:
                 asked = asyncio.get_running_loop().time()
-                if await self.registry.acquire_lock(leader_key(self.name), self.config.scheduler_id, ttl):
+                if await self.registry.acquire_lock(leader_key(self.name), self.holder_id, ttl):
                     self._renewed_at = asked
-                    log.info(f"{self.config.scheduler_id} leads scheduling of {self.name}")
+                    log.info(f"{self.config.scheduler_id} ({holder_name(self.holder_id)}) leads scheduling of "
+                             f"{self.name}")
                     self.leading = True
                     metrics.SCHEDULER_LEADER.set(1)
                     metrics.SCHEDULER_TAKEOVERS.inc()
@@ -221,7 +231,7 @@ class Scheduler:
     async def stop(self) -> None:
         if self.leading:
             with contextlib.suppress(RegistryError):
-                await self.registry.release_lock(leader_key(self.name), self.config.scheduler_id)
+                await self.registry.release_lock(leader_key(self.name), self.holder_id)
         for channel in self._probes.values():
             await channel.close()
         self._probes.clear()
@@ -239,7 +249,7 @@ class Scheduler:
         while True:
             await asyncio.sleep(self.config.lock_ttl_s / 3)
             asked = loop.time()
-            if not await self.registry.renew_lock(leader_key(self.name), self.config.scheduler_id):
+            if not await self.registry.renew_lock(leader_key(self.name), self.holder_id):
                 return
             self._renewed_at = asked
 

@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from stagemesh import metrics
-from stagemesh.discovery.backends import open_registry
+from stagemesh.discovery.backends import open_registry, plaintext_hosts
 from stagemesh.discovery.chain_table import decode_chains, published_plan
 from stagemesh.discovery.registry import chains_key
 from stagemesh.scheduler.scheduler import Scheduler, SchedulerConfig
 from stagemesh.signals import until_signalled
-from stagemesh.tls import Tls
+from stagemesh.tls import PlaintextConfig, Tls
 
 log = logging.getLogger("stagemesh.scheduler")
 
@@ -32,9 +32,11 @@ class PlanConfig:
     """The model's name in the registry (default: the checkpoint directory's name)."""
     tls: str | None = None
     """A directory with ca.pem, mesh.pem and mesh-key.pem: reach a registry that serves mutual TLS."""
+    plaintext: PlaintextConfig = field(default_factory=PlaintextConfig)
 
     def __post_init__(self) -> None:
         self.model_name = self.model_name or Path(self.model).name
+        self.plaintext.refuse(self.tls, dials=plaintext_hosts(self.registry))
 
 
 async def serve_scheduler(config: SchedulerConfig, registry_url: str, tls: Tls | None = None) -> None:
