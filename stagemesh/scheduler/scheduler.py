@@ -15,10 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import get_args
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-from stagemesh import grpc_server, metrics
+from stagemesh import metrics
 from stagemesh.checkpoint import (
     QUANTIZE,
     DtypeChoice,
@@ -43,16 +40,12 @@ from stagemesh.discovery.registry import (
     parse_layers,
 )
 from stagemesh.scheduler import placement, tp_advice
+from stagemesh.scheduler.lapsed import LapsedStages
 from stagemesh.tls import PlaintextConfig, Tls
 from stagemesh.tracing import TracingConfig
-from stagemesh.v1 import stage_pb2
 
 log = logging.getLogger("stagemesh.scheduler")
 
-STAGE_SERVICE = stage_pb2.DESCRIPTOR.services_by_name["Stage"].full_name
-PROBE_TIMEOUT_S = 1.0
-"""How long a stage whose registration lapsed has to answer the scheduler's health check to keep its place (at
-most a quarter of the leader lock's TTL: the leader renews its lock between reconciles)."""
 
 
 @dataclass
@@ -150,7 +143,6 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, registry: Registry, tls: Tls | None = None):
         self.config = config
         self.registry = registry
-        self.tls = tls  # how the scheduler reaches a stage to check it (the mesh's mutual TLS, or plaintext)
         model_config = read_config(config.model)
         self.model_args = ModelArgs.from_config(model_config)  # heads: which --tp sizes fit
         self._stored_dtype = serving_dtype("auto", model_config, "cpu")  # the checkpoint's own
@@ -166,11 +158,8 @@ class Scheduler:
         self._versions: dict[str, int] = {}  # key -> modify_index of this leader's last write
         self._reported: set[str] = set()  # problems already logged: each once, not once per poll
         self._found: list[placement.ChainPlan] = []  # the chains published when this leader took over
-        # Each stage's last passing registration: what a stage whose registration lapsed is planned by while it
-        # still answers; and a channel to each such stage, to ask it.
-        self._last_passing: dict[str, ServiceStatus] = {}
-        self._probes: dict[str, grpc.aio.Channel] = {}
-        self._kept: list[str] = []  # the lapsed stages kept at the last reconcile (sorted ids)
+        # A probe of lapsed stages: at most a quarter of the lock's TTL, since the leader renews between reconciles.
+        self.lapsed = LapsedStages(tls, timeout_s=min(1.0, config.lock_ttl_s / 4))
         self._renewed_at = 0.0  # event-loop time at which the last successful renewal (or the acquire) was asked
 
     @property
@@ -232,9 +221,7 @@ class Scheduler:
         if self.leading:
             with contextlib.suppress(RegistryError):
                 await self.registry.release_lock(leader_key(self.name), self.holder_id)
-        for channel in self._probes.values():
-            await channel.close()
-        self._probes.clear()
+        await self.lapsed.close()
 
     def _check_lease(self) -> None:
         """Renew-deadline: a leader acts only while its lease surely holds, the last renewal asked less than two
@@ -307,53 +294,11 @@ class Scheduler:
         self.published = None
         return False
 
-    async def answering(self, services: list[ServiceStatus]) -> list[ServiceStatus]:
-        """The registrations as the plan sees them. A stage whose registration lapsed (or vanished) but that still
-        answers SERVING here counts as it last was while passing: a partition between stages and the registry, a
-        slow agent or a paused registry must not withdraw chains that serve. One that does not answer is planned
-        without at once, as before (a dead stage's range goes to a spare)."""
-        current = {s.record.service_id: s for s in services}
-        for s in services:
-            if s.passing:
-                self._last_passing[s.record.service_id] = s
-        lapsed = [last for sid, last in self._last_passing.items()
-                  if not (sid in current and current[sid].passing)]
-        answers = await asyncio.gather(*(self._serving(s.record.address) for s in lapsed))
-        kept = [last for last, answered in zip(lapsed, answers, strict=True) if answered]
-        for last, answered in zip(lapsed, answers, strict=True):
-            if not answered:
-                del self._last_passing[last.record.service_id]
-                if (channel := self._probes.pop(last.record.address, None)) is not None:
-                    await channel.close()
-                log.warning(f"stage {last.record.service_id}'s registration lapsed and it does not answer: "
-                            "planning without it")
-        kept_ids = sorted(s.record.service_id for s in kept)
-        if kept_ids != self._kept:  # said when the set changes, not at every reconcile
-            self._kept = kept_ids
-            if kept_ids:
-                log.warning(f"{len(kept_ids)} stage(s) whose registration lapsed answer their health checks and "
-                            f"keep their place: {', '.join(kept_ids[:10])}{' ...' if len(kept_ids) > 10 else ''}")
-        metrics.STAGES_SEEN.labels("lapsed").set(len(kept))
-        kept_set = set(kept_ids)
-        return [s for s in services if s.record.service_id not in kept_set] + kept
-
-    async def _serving(self, address: str) -> bool:
-        channel = self._probes.get(address)
-        if channel is None:
-            channel = self._probes[address] = grpc_server.channel(address, self.tls)
-        try:
-            reply = await health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=STAGE_SERVICE),
-                timeout=min(PROBE_TIMEOUT_S, self.config.lock_ttl_s / 4))
-        except grpc.RpcError:
-            return False
-        return reply.status == health_pb2.HealthCheckResponse.SERVING
-
     async def reconcile(self, services: list[ServiceStatus]) -> None:
         """Plans for the live stage servers, tells each its range, and publishes the chains that serve."""
         metrics.STAGES_SEEN.labels("passing").set(sum(s.passing for s in services))
         metrics.STAGES_SEEN.labels("critical").set(sum(not s.passing for s in services))
-        services = await self.answering(services)
+        services = await self.lapsed.keep_answering(services)
         self.footprint = self.footprint_for(services)
         live, hosts = {}, []
         for s in services:
