@@ -41,6 +41,8 @@ class StatusError(Exception):
         self.message = message
 
 
+Continuation = Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]]
+"""What a server interceptor calls for the handler of the interceptors inside it."""
 ErrorCodes = Mapping[type[BaseException], grpc.StatusCode]
 """Domain exceptions a server maps to codes (their text is the caller's message); the most
 specific class in an exception's MRO wins."""
@@ -57,11 +59,8 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
         self.log = log
         self.codes = dict(codes or {})
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler | None:
+    async def intercept_service(self, continuation: Continuation,
+                                details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
         handler = await continuation(details)
         if handler is None:
             return None

@@ -63,12 +63,14 @@ SERVER_OPTIONS = [
 
 
 def new_server(interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
-               max_receive_bytes: int = MAX_MESSAGE_BYTES) -> grpc.aio.Server:
+               max_receive_bytes: int = MAX_MESSAGE_BYTES,
+               options: Sequence[tuple[str, int]] = ()) -> grpc.aio.Server:
     """A server with stagemesh's message limits and keepalive; its services' servers pass their
-    errors.StatusInterceptor here, so that every handler's errors are answered one way."""
-    options = [o for o in SERVER_OPTIONS if o[0] != "grpc.max_receive_message_length"]
-    options.append(("grpc.max_receive_message_length", max_receive_bytes))
-    return grpc.aio.server(options=options, interceptors=list(interceptors))
+    errors.StatusInterceptor here, so that every handler's errors are answered one way. options: gRPC channel
+    arguments that replace stagemesh's of the same name (the router's public port's limits)."""
+    given = {"grpc.max_receive_message_length": max_receive_bytes, **dict(options)}
+    merged = [o for o in SERVER_OPTIONS if o[0] not in given] + list(given.items())
+    return grpc.aio.server(options=merged, interceptors=list(interceptors))
 
 
 def add_health_and_reflection(server: grpc.aio.Server, service_names: list[str]) -> health.aio.HealthServicer:

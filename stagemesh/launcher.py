@@ -10,18 +10,20 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 
 from stagemesh.checkpoint import DtypeChoice, ModelFootprint, Quantization, read_config, serving_dtype
 from stagemesh.config_flags import PORT_RULE, refused
+from stagemesh.discovery.backends import plaintext_hosts
 from stagemesh.processes import READY, LocalMesh, Process
 from stagemesh.router.generation import GenerationConfig
 from stagemesh.stage_server.config import BatcherConfig
 from stagemesh.supervisor import RestartPolicy, Supervisor
 from stagemesh.tiny_model import make_tiny_model
+from stagemesh.tls import INSECURE_FLAG, PlaintextConfig
 from stagemesh.tls import load as load_tls
 from stagemesh.v1 import router_pb2, router_pb2_grpc
 
@@ -73,6 +75,7 @@ class UpConfig:
     tls: str | None = None
     """Every process's --tls: mutual TLS between them with the certificates in this directory (`stagemesh certs
     DIR` makes them), and TLS on the router's port (default: plaintext)."""
+    plaintext: PlaintextConfig = field(default_factory=PlaintextConfig)
 
     def __post_init__(self) -> None:
         if not self.stages >= 1:
@@ -92,6 +95,8 @@ class UpConfig:
             raise refused(self, "restart_backoff_max_s", f"must be >= --restart-backoff-s {self.restart_backoff_s}")
         if not self.restart_reset_s > 0:
             raise refused(self, "restart_reset_s", "must be > 0 seconds of running")
+        # Every process serves on loopback; a Consul or etcd elsewhere is dialled (its processes pass --insecure on).
+        self.plaintext.refuse(self.tls, dials=plaintext_hosts(self.registry))
         # The router's and the stages' own bounds, checked here before any process starts.
         GenerationConfig(prefill_chunk=self.prefill_chunk)
         BatcherConfig(max_batch_tokens=self.max_batch_tokens)
@@ -146,12 +151,13 @@ def start_local_mesh(model: str, *, stages: int, replicas: int = 1, router_port:
                      dtype: str = "auto", quantize: str = "none", threads: int | None = None,
                      prefill_chunk: int = GenerationConfig.prefill_chunk,
                      extra_stage_args: list[str] | None = None, extra_router_args: list[str] | None = None,
-                     registry: str | None = None, tls: str | None = None,
+                     registry: str | None = None, tls: str | None = None, insecure: bool = False,
                      log_dir: Path | None = None, ready_timeout_s: float = 120.0) -> tuple[LocalMesh, Process]:
     """Without registry: stages with fixed, even layer ranges and a router over them. With registry
     ("local", or a consul:// or etcd:// URL): a scheduler places layers on stages that announce a memory budget
     for `stages` stages per chain, and the router follows the chains it publishes. tls: every process's
-    --tls directory. ready_timeout_s: how long each process may take to be ready (loading its weights, and
+    --tls directory; insecure: every process's --insecure (a plaintext Consul or etcd off loopback).
+    ready_timeout_s: how long each process may take to be ready (loading its weights, and
     with --compile compiling in its warm-up: minutes on a large slice with inductor's cache cold)."""
     model_config = read_config(model)
     num_layers = model_config["num_hidden_layers"]  # as the stages read it (transformers' config: ~2 s)
@@ -169,7 +175,7 @@ def start_local_mesh(model: str, *, stages: int, replicas: int = 1, router_port:
         if dtype == "float32" and cpus // replicas > threads:
             lone = ["--lone-session-threads", str(cpus // replicas)]
     env = stage_env(threads, shared_cores=threads * stages * replicas > cpus or bool(lone))
-    secure = ["--tls", tls] if tls else []
+    secure = ["--tls", tls] if tls else [INSECURE_FLAG] if insecure else []
     stage_args = ["stage", "--model", model, "--port", "0", "--dtype", dtype, "--threads", str(threads),
                   "--quantize", quantize, *lone, *secure, *(extra_stage_args or [])]
     # The scheduler sizes weights as the stages announce they hold them.
@@ -236,7 +242,7 @@ def run_up(config: UpConfig) -> None:
     mesh, router = start_local_mesh(model, stages=config.stages, replicas=config.replicas, router_port=config.port,
                                     dtype=config.dtype, quantize=config.quantize, registry=config.registry,
                                     prefill_chunk=config.prefill_chunk, threads=config.threads, log_dir=log_dir,
-                                    tls=config.tls,
+                                    tls=config.tls, insecure=config.plaintext.insecure,
                                     extra_stage_args=[*budget, *drain],
                                     extra_router_args=drain)
     policy = RestartPolicy(config.restart_backoff_s, config.restart_backoff_max_s, config.restart_reset_s)

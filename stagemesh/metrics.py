@@ -65,6 +65,9 @@ TOKEN_TURNAROUND = Histogram(
     "stagemesh_router_token_turnaround_seconds",
     "The router's share of a decode step: from the last stage's token read to the next step written to the first "
     "stage (the caller's copy of the token is sent after it)", buckets=OVERHEAD_BUCKETS)
+PANIC_TABLES = Counter("stagemesh_router_panic_tables_total",
+                       "Published chain tables followed only in part: they dropped most of the chains passing the "
+                       "router's checks (--panic-threshold), and those kept serving")
 FAILOVERS = Counter("stagemesh_router_failovers_total", "Streams moved to another chain after a stage failed")
 REPAIRS = Counter("stagemesh_router_repairs_total",
                   "Streams kept on their chain after a stage failed, another stage taking its place (rebuilt alone)")
@@ -115,7 +118,8 @@ CHAIN_TABLE_WRITES = Counter("stagemesh_scheduler_chain_table_writes_total",
                              "Chain tables written, by outcome: ok, or conflict (someone else wrote it meanwhile)",
                              ["outcome"])
 STAGES_SEEN = Gauge("stagemesh_scheduler_stages", "Stage registrations the leader's last reconcile saw, by state: "
-                    "passing (heartbeating), critical (late), assigned (passing, with a layer range)", ["state"])
+                    "passing (heartbeating), critical (late), assigned (passing, with a layer range), lapsed "
+                    "(late but answering the scheduler's health check: kept in the plan)", ["state"])
 RECONCILE_SECONDS = Histogram("stagemesh_scheduler_reconcile_seconds",
                               "One reconcile of the leader: plan, assignments written, chain table published",
                               buckets=LATENCY_BUCKETS)

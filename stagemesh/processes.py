@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -80,14 +81,16 @@ class LocalMesh:
     retired: list[Process] = field(default_factory=list)
     """Processes that exited and were replaced by a restart."""
 
-    def launch(self, name: str, args: list[str], env: dict[str, str], append_log: bool = False) -> Process:
+    def launch(self, name: str, args: list[str], env: dict[str, str], append_log: bool = False,
+               prefix: Sequence[str] = ()) -> Process:
         """Starts `stagemesh ARGS` without waiting for it (nor listing it in processes); its stderr goes to
         LOG_DIR/NAME.log (appended to for a restart). It gets its own session, so that Ctrl-C at a terminal
-        reaches the supervisor alone, which stops the children in order."""
+        reaches the supervisor alone, which stops the children in order. prefix: a command that execs it
+        (e.g. `ip netns exec NS`, the way the namespace tests put a process on a host)."""
         log_path = self.log_dir / f"{name}.log"
         env = {**env, PARENT_PID_ENV: str(os.getpid())}
         with log_path.open("a" if append_log else "w") as stderr:
-            popen = subprocess.Popen([sys.executable, "-m", "stagemesh.cli", *args], stdout=subprocess.PIPE,
+            popen = subprocess.Popen([*prefix, sys.executable, "-m", "stagemesh.cli", *args], stdout=subprocess.PIPE,
                                      stderr=stderr, env=env, text=True, start_new_session=True)
         proc = Process(name, popen, log_path, args=list(args), env=env)
         threading.Thread(target=_read_stdout, args=(proc,), name=f"{name}-stdout", daemon=True).start()

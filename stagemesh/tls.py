@@ -11,6 +11,7 @@ handshake failing later without one.
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import logging
 import stat
 from dataclasses import dataclass, field
@@ -33,6 +34,61 @@ SECRET_FILES = ("ca.crt", "tls.crt", "tls.key")
 """The same three as a kubernetes.io/tls secret (cert-manager's) holds them: CA, certificate, key."""
 CA_KEY_FILE = "ca-key.pem"
 """The CA's private key, kept where `stagemesh certs` ran (it issues new mesh certificates); no host needs it."""
+
+
+INSECURE_FLAG = "--insecure"
+"""Lets a component serve or dial plaintext off loopback (a trial, or a network that encrypts for it)."""
+
+
+def host_of(address: str) -> str:
+    """The host of "HOST", "HOST:PORT", "[V6]:PORT" or a bare IPv6 address."""
+    if address.startswith("["):
+        return address[1:].partition("]")[0]
+    return address.rpartition(":")[0] if address.count(":") == 1 else address
+
+
+def is_loopback(address: str) -> bool:
+    """Whether address (a host, with or without a port) is this machine's loopback: 127.0.0.0/8, ::1, localhost.
+    A wildcard (0.0.0.0, ::) is not: it listens on every interface."""
+    host = host_of(address)
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass
+class PlaintextConfig:
+    """The one --insecure knob, nested in every component's config (one definition, one flag)."""
+
+    insecure: bool = False
+    """Serve and dial plaintext off loopback without --tls, which is refused otherwise: for a trial, or a network
+    that encrypts and authenticates for us (a service mesh). Loopback (127.0.0.1, ::1, localhost) needs neither."""
+
+    def refuse(self, tls_dir: str | None, listens: tuple[str, ...] = (), dials: tuple[str, ...] = (),
+               bearer_tokens: bool = False) -> None:
+        """refuse_plaintext with this --insecure."""
+        refuse_plaintext(bool(tls_dir), self.insecure, listens, dials, bearer_tokens)
+
+
+def refuse_plaintext(secured: bool, insecure: bool, listens: tuple[str, ...] = (),
+                     dials: tuple[str, ...] = (), bearer_tokens: bool = False) -> None:
+    """ValueError when a component without TLS (secured: --tls, or --public-cert for a router's port) would serve
+    (listens) or dial (dials) plaintext off loopback, unless --insecure: anyone on its network could then call it
+    past the router, or read the hidden states, hop keys and (bearer_tokens: --auth-tokens) callers' tokens in the
+    clear. Loopback stays plaintext, as it is
+    for `make run` and the tests."""
+    if secured or insecure:
+        return
+    for what, addresses in (("serve on", listens), ("dial", dials)):
+        for address in addresses:
+            if not is_loopback(address):
+                tokens = " and take --auth-tokens bearer tokens" if bearer_tokens and what == "serve on" else ""
+                raise ValueError(f"would {what} {address}{tokens} in plaintext, off loopback: give --tls DIR (make "
+                                 f"one with `stagemesh certs DIR --hosts ...`), or {INSECURE_FLAG} where the "
+                                 "network itself is trusted or encrypted (a service mesh)")
 
 
 @dataclass(frozen=True)

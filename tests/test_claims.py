@@ -112,10 +112,12 @@ async def test_an_eos_token_from_generation_config_ends_the_stream_like_transfor
 # 2. Priority aging ----------------------------------------------------------------------------------
 
 
-async def test_aging_admits_a_batch_request_ahead_of_normal_ones_that_came_later_than_one_aging_period():
-    """PriorityAdmission with one slot: a batch request outranks exactly the normal requests that
-    arrived more than aging_s after it (one class per aging_s of waiting), and yields to the others."""
-    aging = 0.4
+async def test_aging_lifts_a_batch_request_to_fresh_normal_ones_and_never_above_one_that_waited():
+    """PriorityAdmission with one slot: a batch request that waited aging_s and more ranks with a normal request
+    that arrives now (ahead of it, being older) but behind every normal one that waited, and a normal one that
+    waited long ranks behind a high one that waited at all: aging lifts a request one class at most (issue 45:
+    uncapped, a batch flood outranked fresh high-priority requests after 2 * aging_s)."""
+    aging = 0.2
     admission = PriorityAdmission(AdmissionConfig(slots_per_chain=1, aging_s=aging), lambda: 1)
     await admission.acquire(0)  # the one slot, taken
     order: list[str] = []
@@ -128,59 +130,17 @@ async def test_aging_admits_a_batch_request_ahead_of_normal_ones_that_came_later
     await until(lambda: admission.waiting_in("batch") == 1, 5, "the batch request waits")
     tasks.append(asyncio.ensure_future(wait("normal-soon-after", 0)))
     await until(lambda: admission.waiting_in("normal") == 1, 5, "the first normal request waits")
-    await asyncio.sleep(2.5 * aging)
+    await asyncio.sleep(5 * aging)
     tasks += [asyncio.ensure_future(wait(f"normal-later-{i}", 0)) for i in range(2)]
-    await until(lambda: len(admission.waiting) == 4, 5, "all four wait")
-    for admitted in range(1, 5):
+    await until(lambda: admission.waiting_in("normal") == 3, 5, "three normal requests wait")
+    tasks.append(asyncio.ensure_future(wait("high", 1)))
+    await until(lambda: admission.waiting_in("high") == 1, 5, "the high request waits")
+    for admitted in range(1, 6):
         admission.release()  # the running one ends: the most urgent waiter goes next
         await until(lambda n=admitted: len(order) == n, 5, "a waiter is admitted")
     await asyncio.gather(*tasks)
-    assert order == ["normal-soon-after", "batch", "normal-later-0", "normal-later-1"]
+    assert order == ["high", "normal-soon-after", "normal-later-0", "normal-later-1", "batch"]
     assert admission.running == 1 and not admission.waiting
-
-
-async def test_a_batch_request_is_not_starved_by_a_steady_stream_of_normal_ones(tiny_model):
-    """Through the router, one slot, normal requests arriving all the time (some always waiting): the
-    batch request gets in while the stream goes on, ahead of every normal request that came more than
-    aging_s after it began waiting, overtaking normal requests that were already waiting."""
-    aging = 0.3
-    mesh = await start_mesh(tiny_model, [splits(8)],
-                            stage_options={"batcher": BatcherConfig(batch_window_ms=5)},  # >= 5 ms a token
-                            router_options={"admission": AdmissionConfig(slots_per_chain=1, aging_s=aging)})
-    queue = mesh.router.admission
-    stub = mesh.router_stub
-    submitted: dict[str, float] = {}
-    first_token: dict[str, float] = {}
-
-    async def run(name: str, priority: int) -> None:
-        submitted[name] = time.monotonic()
-        async for _ in stub.Generate(request([5, 6, 7 + len(submitted)], 8, priority=priority), timeout=120):
-            first_token.setdefault(name, time.monotonic())
-
-    tasks = [asyncio.ensure_future(run("normal-0", 0))]
-    try:
-        await until(lambda: queue.running == 1, 10, "the first request runs")
-        tasks.append(asyncio.ensure_future(run("batch", -1)))
-        batch_waits = await until(lambda: queue.waiting_in("batch") == 1, 10, "the batch request waits")
-        stream_ends = time.monotonic() + 60
-        for i in range(1, 20_000):  # a steady stream: three normal requests waiting at all times
-            if "batch" in first_token or time.monotonic() > stream_ends:
-                break
-            if queue.waiting_in("normal") < 3:
-                tasks.append(asyncio.ensure_future(run(f"normal-{i}", 0)))
-            await asyncio.sleep(0.003)
-        assert "batch" in first_token, "the batch request starved behind the normal ones"
-        await asyncio.wait_for(asyncio.gather(*tasks), 120)
-    finally:
-        for t in tasks:
-            t.cancel()
-        await mesh.stop()
-    batch_first = first_token["batch"]
-    normal = [n for n in submitted if n != "batch"]
-    later = [n for n in normal if submitted[n] > batch_waits + aging]
-    assert later and all(first_token[n] > batch_first for n in later)
-    overtaken = [n for n in normal if submitted[n] < batch_first < first_token[n]]
-    assert overtaken, "no normal request was waiting when the batch one got in: nothing was shown"
 
 
 async def test_waiters_let_in_by_a_chain_coming_up_show_in_the_admission_gauges():

@@ -71,7 +71,7 @@ async def test_etcd_with_auth_takes_a_user_and_refuses_a_wrong_password(tmp_path
         try:
             await registry.kv_put(chains_key("m"), b"authenticated")
             assert (await registry.kv_get(chains_key("m")))[0] == b"authenticated"
-            assert await registry.acquire_lock(chains_key("lock"), "a", 2.0)
+            assert await registry.acquire_lock(chains_key("lock"), "a-holders-secret-0001", 2.0)
             for refused in (anonymous, wrong):
                 with pytest.raises(RegistryError, match="etcd at"):
                     await refused.kv_get(chains_key("m"))

@@ -14,7 +14,7 @@ import pytest
 
 from stagemesh.discovery.backends import open_registry
 from stagemesh.discovery.chain_table import decode_chains, published_plan
-from stagemesh.discovery.registry import chains_key, leader_key
+from stagemesh.discovery.registry import chains_key, holder_name, leader_key
 from stagemesh.launcher import start_local_mesh, wait_for_chains
 from stagemesh.scheduler.scheduler import Scheduler
 from stagemesh.scheduler.server import print_plan
@@ -97,7 +97,7 @@ async def cluster(tmp_path):
 async def _leads(registry, scheduler: Scheduler) -> bool:
     with contextlib.suppress(Exception):
         return scheduler.leading and await registry.lock_holder(leader_key(scheduler.name)) == \
-            scheduler.config.scheduler_id
+            holder_name(scheduler.holder_id)
     return False
 
 

@@ -27,6 +27,7 @@ from stagemesh.stage_server.config import BatcherConfig, StageConfig, max_step_b
 from stagemesh.stage_server.server import StageServer
 from stagemesh.stage_server.service.registration import Registration, RegistrationConfig
 from stagemesh.tiny_model import make_tiny_model
+from stagemesh.tls import PlaintextConfig
 from stagemesh.v1 import router_pb2, router_pb2_grpc, stage_pb2, stage_pb2_grpc
 from tests.conftest import collect, hf_greedy, splits, start_mesh
 from tests.test_kv_pool import kv_gb_for_blocks
@@ -165,7 +166,8 @@ def test_a_wildcard_bind_needs_advertise_by_name(tiny_model):
     for bad in ("0.0.0.0:50061", "[::]", "host:0", "host:http", "[::1"):
         with pytest.raises(ValueError, match="--advertise"):
             StageConfig(model=str(tiny_model), layer_start=0, advertise=bad)
-    assert StageConfig(model=str(tiny_model), layer_start=0, host="0.0.0.0", advertise="10.1.2.3").advertise
+    assert StageConfig(model=str(tiny_model), layer_start=0, host="0.0.0.0", advertise="10.1.2.3",
+                       plaintext=PlaintextConfig(insecure=True)).advertise
 
 
 async def test_the_registry_holds_the_advertised_address_and_ids_are_unique_per_start(tiny_model):
@@ -181,7 +183,8 @@ async def test_the_registry_holds_the_advertised_address_and_ids_are_unique_per_
         for advertise in ("127.0.0.1", "127.0.0.1:{port}"):
             port = servers[0].port if servers else 0
             server = StageServer(StageConfig(model=str(tiny_model), host="0.0.0.0", port=0, layer_start=0, layer_end=8,
-                                             advertise=advertise.format(port=port), kv_cache_gb=0.1))
+                                             advertise=advertise.format(port=port), kv_cache_gb=0.1,
+                                             plaintext=PlaintextConfig(insecure=True)))
             await server.start(server.load(0, 8))
             servers.append(server)
             registration = Registration(server, registry, RegistrationConfig(tiny_model.name, 2**30, ttl_s=1.0),

@@ -159,7 +159,7 @@ async def test_registry_metrics_count_services_keys_waiting_watches_and_expired_
         await registry.kv_put("stagemesh/m/chains", b"[1]")
         await asyncio.wait_for(watch, 10)
         assert value("stagemesh_registry_watch_waiters") == 0
-        assert await registry.acquire_lock("stagemesh/m/leader", "scheduler-a", ttl_s=0.2)
+        assert await registry.acquire_lock("stagemesh/m/leader", "scheduler-a-secret-0001", ttl_s=0.2)
         assert value("stagemesh_registry_kv_keys") == 2
         # no heartbeat, no renewal: the stage turns critical and is removed, the lock is freed
         await until(lambda: value("stagemesh_registry_lease_expiries_total", kind="deregistered")

@@ -35,6 +35,7 @@ from stagemesh.discovery.registry import (
     assignment_key,
     assignments_prefix,
     chains_key,
+    holder_name,
     leader_key,
 )
 from stagemesh.registry.service import start_registry_server
@@ -347,28 +348,33 @@ async def test_kv_cas_one_of_two_writers_wins(backend, model):
         await b.close()
 
 
+A, B = "a-holders-secret-0001", "b-holders-secret-0002"
+"""Two lock candidates' holder ids: secrets of at least 16 characters (check_holder_id)."""
+
+
 async def test_lock_handover_on_release(backend, model):
     a, b = backend.open(), backend.open()
     key, ttl = leader_key(model), backend.lock_ttl_s
     try:
         assert await a.lock_holder(key) is None
-        assert await a.acquire_lock(key, "a", ttl)
-        assert not await b.acquire_lock(key, "b", ttl), "only one holder at a time"
-        assert await b.lock_holder(key) == "a" and (await b.kv_get(key))[0] == b"a"
-        assert await a.renew_lock(key, "a")
-        assert not await b.renew_lock(key, "b")
-        assert await a.acquire_lock(key, "a", ttl), "the holder acquiring again keeps the lock"
+        assert await a.acquire_lock(key, A, ttl)
+        assert not await b.acquire_lock(key, B, ttl), "only one holder at a time"
+        assert await b.lock_holder(key) == holder_name(A) and (await b.kv_get(key))[0] == holder_name(A).encode()
+        assert A not in await b.lock_holder(key), "the holder id is the holder's secret"
+        assert await a.renew_lock(key, A)
+        assert not await b.renew_lock(key, B)
+        assert await a.acquire_lock(key, A, ttl), "the holder acquiring again keeps the lock"
 
-        await a.release_lock(key, "a")
-        assert await eventually(lambda: b.acquire_lock(key, "b", ttl), 3, "b taking the released lock")
-        assert await a.lock_holder(key) == "b"
-        assert not await a.renew_lock(key, "a"), "a released: it must not think it still leads"
-        assert not await a.acquire_lock(key, "a", ttl)
-        await b.release_lock(key, "b")
+        await a.release_lock(key, A)
+        assert await eventually(lambda: b.acquire_lock(key, B, ttl), 3, "b taking the released lock")
+        assert await a.lock_holder(key) == holder_name(B)
+        assert not await a.renew_lock(key, A), "a released: it must not think it still leads"
+        assert not await a.acquire_lock(key, A, ttl)
+        await b.release_lock(key, B)
         assert await a.lock_holder(key) is None and await a.kv_get(key) == (None, 0)
     finally:
-        await a.release_lock(key, "a")
-        await b.release_lock(key, "b")
+        await a.release_lock(key, A)
+        await b.release_lock(key, B)
         await a.close()
         await b.close()
 
@@ -377,19 +383,19 @@ async def test_lock_is_taken_over_when_the_holder_stops_renewing(backend, model)
     a, b = backend.open(), backend.open()
     key, ttl = leader_key(model), backend.lock_ttl_s
     try:
-        assert await a.acquire_lock(key, "a", ttl)
+        assert await a.acquire_lock(key, A, ttl)
         until = time.monotonic() + 1.5 * ttl
         while time.monotonic() < until:  # renewed in time, the lock outlives its ttl
-            assert await a.renew_lock(key, "a")
-            assert not await b.acquire_lock(key, "b", ttl)
+            assert await a.renew_lock(key, A)
+            assert not await b.acquire_lock(key, B, ttl)
             await asyncio.sleep(ttl / 4)
         # a stops renewing (a hung or dead leader)
-        assert await eventually(lambda: b.acquire_lock(key, "b", ttl), backend.lock_freed_within_s,
+        assert await eventually(lambda: b.acquire_lock(key, B, ttl), backend.lock_freed_within_s,
                                 "b taking the lock a stopped renewing")
-        assert await a.lock_holder(key) == "b"
-        assert not await a.renew_lock(key, "a")
+        assert await a.lock_holder(key) == holder_name(B)
+        assert not await a.renew_lock(key, A)
     finally:
-        await b.release_lock(key, "b")
+        await b.release_lock(key, B)
         await a.close()
         await b.close()
 

@@ -42,13 +42,16 @@ class ControlPlane:
         self.schedulers.append((scheduler, asyncio.get_running_loop().create_task(scheduler.run())))
         return scheduler
 
-    async def add_stage(self, share_of_model: float, model=None) -> StageServer:
+    async def add_stage(self, share_of_model: float, model=None, registry_url: str = "") -> StageServer:
         """A stage without --layers whose memory holds this share of the model (besides KV headroom);
-        `model` serves another checkpoint under the same name (another build)."""
+        `model` serves another checkpoint under the same name (another build); `registry_url` is how this stage
+        reaches the registry (default: directly)."""
         budget = int(self.footprint.total_bytes * share_of_model / 0.8)
-        server = StageServer(StageConfig(model=str(model or self.model), registry=self.url, port=0, kv_cache_gb=0.5))
+        registry_url = registry_url or self.url
+        server = StageServer(StageConfig(model=str(model or self.model), registry=registry_url, port=0,
+                                         kv_cache_gb=0.5))
         await server.start()
-        registration = Registration(server, open_registry(self.url),
+        registration = Registration(server, open_registry(registry_url),
                                     RegistrationConfig(self.model.name, budget, ttl_s=1.0), fixed=False)
         await registration.start()
         self.stages.append((server, registration))

@@ -134,6 +134,18 @@ def etcd_target(url: str, tls: Tls | None = None, env: dict[str, str] | None = N
     return EtcdTarget(target, rest, True, ca, cert, members[0][0] if ips else None, user)
 
 
+def plaintext_hosts(url: str | None) -> tuple[str, ...]:
+    """The addresses a registry URL dials that are plaintext unless --tls covers them: the embedded registry's
+    (mutual TLS with --tls), Consul's or etcd's without +https. None, "local" (this process hosts it) and the
+    +https schemes (TLS of their own) dial none."""
+    if not url or url == "local":
+        return ()
+    scheme, sep, rest = url.partition("://")
+    if sep and scheme not in ("local", "consul", "etcd"):
+        return ()
+    return tuple(rest.split(","))
+
+
 def backend(name: str, extra: str) -> ModuleType:
     """stagemesh.discovery.<name>, whose client library is the `extra` extra (imported only where its registry is
     used, so that a router or stage on the embedded registry needs neither etcd's nor Consul's client)."""

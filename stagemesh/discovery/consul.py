@@ -35,7 +35,10 @@ from stagemesh.discovery.registry import (
     RegistryError,
     ServiceRecord,
     ServiceStatus,
+    check_holder_id,
     check_key,
+    check_ttl,
+    holder_name,
     split_address,
 )
 
@@ -219,11 +222,11 @@ class ConsulRegistry:
 
     async def acquire_lock(self, key: str, holder_id: str, ttl_s: float) -> bool:
         check_key(key)
-        if not ttl_s > 0 or not holder_id:
-            raise ValueError("acquire_lock needs a holder_id and a positive ttl_s")
+        check_ttl("ttl_s", ttl_s)
+        check_holder_id(holder_id)
         session = await self._session(key, holder_id, ttl_s)
         try:
-            return bool(await self._run(self._consul.kv.put, key, holder_id.encode(), acquire=session))
+            return bool(await self._run(self._consul.kv.put, key, holder_name(holder_id).encode(), acquire=session))
         except RegistryError as e:
             if "session" in str(e.__cause__).lower():  # it expired between renew and put: try again later
                 self._sessions.pop((key, holder_id), None)

@@ -9,6 +9,7 @@ from stagemesh import grpc_server
 from stagemesh.discovery.registry import (
     MAX_WAIT_S,
     KVEntry,
+    LockHeld,
     RegistryError,
     ServiceRecord,
     ServiceStatus,
@@ -66,6 +67,8 @@ class EmbeddedRegistryClient:
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise ValueError(e.details()) from e
+            if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                raise LockHeld(e.details()) from e
             raise RegistryError(f"registry {method} at {self.address} failed ({e.code().name}: {e.details()}); "
                                 f"is the scheduler that hosts the registry running there?") from e
 
@@ -135,4 +138,5 @@ class EmbeddedRegistryClient:
         await self._call("ReleaseLock", registry_pb2.LockRequest(key=key, holder_id=holder_id))
 
     async def lock_holder(self, key: str) -> str | None:
-        return (await self._call("LockHolder", registry_pb2.LockHolderRequest(key=key))).holder_id or None
+        response = await self._call("LockHolder", registry_pb2.LockHolderRequest(key=key))
+        return response.holder_name if response.held else None

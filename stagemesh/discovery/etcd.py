@@ -37,8 +37,10 @@ from stagemesh.discovery.registry import (
     RegistryError,
     ServiceRecord,
     ServiceStatus,
+    check_holder_id,
     check_key,
     check_ttl,
+    holder_name,
 )
 
 SERVICES_PREFIX = "stagemesh-services/"
@@ -310,8 +312,8 @@ class EtcdRegistry:
 
     async def acquire_lock(self, key: str, holder_id: str, ttl_s: float) -> bool:
         check_key(key)
-        if not ttl_s > 0 or not holder_id:
-            raise ValueError("acquire_lock needs a holder_id and a positive ttl_s")
+        check_ttl("ttl_s", ttl_s)
+        check_holder_id(holder_id)
         lease = self._locks.get((key, holder_id))
         if lease is not None and not await self._keep_alive(lease):
             lease = None
@@ -319,8 +321,9 @@ class EtcdRegistry:
             if lease is None:  # a candidate keeps its lease between tries: one lease each, not one a try
                 lease = (await self.lease.grant(_seconds(ttl_s), timeout=self.call_timeout_s)).ID
                 self._locks[(key, holder_id)] = lease
+            name = holder_name(holder_id).encode()
             response = await self.kv.txn([KVService.txn_compare_create_revision(key.encode(), 0)],
-                                         [KVService.txn_op_put(key.encode(), holder_id.encode(), lease=lease)],
+                                         [KVService.txn_op_put(key.encode(), name, lease=lease)],
                                          [KVService.txn_op_get(key.encode())], timeout=self.call_timeout_s)
         if response.succeeded:
             return True

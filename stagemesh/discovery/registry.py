@@ -13,6 +13,7 @@ index, or a new one that may carry no change the caller cares about: callers loo
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass, field, replace
 from typing import Protocol
@@ -22,6 +23,13 @@ SERVICE_NAME = "stagemesh-stage"
 """The Consul service name every stage server registers under."""
 MAX_VALUE_BYTES = 512 * 1024
 """Consul's limit on a KV value; the embedded registry enforces it too, so nothing works on one backend only."""
+MAX_TTL_S = 3600.0
+"""The longest lease or heartbeat interval a registration or lock may ask for: a record that registers with a TTL
+of 1e9 would outlive its stage for decades, and one that dies keeps its place in every plan."""
+MAX_ID_CHARS, MAX_ADDRESS_CHARS, MAX_MODEL_CHARS = 256, 256, 1024
+"""A record's fields' bounds: far above any real id, host:port or checkpoint path, far below what fills memory."""
+MIN_HOLDER_ID_CHARS = 16
+"""A lock's holder_id is its holder's secret (whoever sends it may renew or release the lock): not a short name."""
 MAX_WAIT_S = 600.0
 """The longest one watch waits (Consul's own cap is 10 minutes)."""
 _META_KEY = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
@@ -44,6 +52,10 @@ class ServiceRecord:
 
     def validate(self) -> None:
         """Raises ValueError on what either backend would reject, so both reject the same records."""
+        for name, value, most in (("service_id", self.service_id, MAX_ID_CHARS),
+                                  ("address", self.address, MAX_ADDRESS_CHARS), ("model", self.model, MAX_MODEL_CHARS)):
+            if len(value) > most:
+                raise ValueError(f"{name} is {len(value)} characters; the limit is {most}")
         if not self.service_id or "/" in self.service_id:
             raise ValueError(f"service_id {self.service_id!r}: use a non-empty id without '/'")
         split_address(self.address)
@@ -112,7 +124,7 @@ class Registry(Protocol):
         ...
 
     async def kv_put(self, key: str, value: bytes) -> None:
-        """Writes the key unconditionally."""
+        """Writes the key unconditionally (the embedded registry: LockHeld for a held lock's key)."""
         ...
 
     async def kv_cas(self, key: str, value: bytes, index: int) -> bool:
@@ -121,7 +133,8 @@ class Registry(Protocol):
         ...
 
     async def kv_delete(self, key: str) -> None:
-        """Deletes the key; a missing key is not an error."""
+        """Deletes the key; a missing key is not an error (the embedded registry: LockHeld for a held lock's
+        key; Consul and etcd hold their locks by session and lease, and their ACLs say who may write)."""
         ...
 
     async def kv_list(self, prefix: str) -> list[KVEntry]:
@@ -138,7 +151,8 @@ class Registry(Protocol):
 
     async def acquire_lock(self, key: str, holder_id: str, ttl_s: float) -> bool:
         """Takes the lock unless another holder has it; True if holder_id holds it now. The key then holds
-        holder_id. The holder must renew_lock within ttl_s (Consul: >= 10 s, and it may take up to 2 * ttl_s
+        holder_name(holder_id); holder_id is the holder's secret (check_holder_id). The holder must renew_lock
+        within ttl_s (Consul: >= 10 s, and it may take up to 2 * ttl_s
         to free an abandoned lock); holder_id must be unique per candidate."""
         ...
 
@@ -151,7 +165,7 @@ class Registry(Protocol):
         ...
 
     async def lock_holder(self, key: str) -> str | None:
-        """The holder_id holding the lock, or None."""
+        """The name (holder_name) of the lock's holder, or None when nobody holds it."""
         ...
 
     async def close(self) -> None:
@@ -217,5 +231,22 @@ def check_key(key: str, value: bytes | None = None) -> None:
 
 
 def check_ttl(name: str, seconds: float) -> None:
-    if not seconds > 0:
-        raise ValueError(f"{name} must be positive seconds, got {seconds!r}")
+    if not 0 < seconds <= MAX_TTL_S:
+        raise ValueError(f"{name} must be positive seconds, at most {MAX_TTL_S:g}, got {seconds!r}")
+
+
+def check_holder_id(holder_id: str) -> None:
+    """ValueError for a holder_id too short to be a secret (MIN_HOLDER_ID_CHARS)."""
+    if not MIN_HOLDER_ID_CHARS <= len(holder_id) <= MAX_ID_CHARS:
+        raise ValueError(f"holder_id must be a secret of {MIN_HOLDER_ID_CHARS}..{MAX_ID_CHARS} characters "
+                         "(e.g. secrets.token_hex(16)), not a name")
+
+
+def holder_name(holder_id: str) -> str:
+    """The name a lock shows for its holder (its key's value, LockHolder's answer): a digest of the holder_id,
+    which tells holders apart and lets a holder recognise itself without handing out the secret."""
+    return "holder-" + hashlib.sha256(holder_id.encode()).hexdigest()[:16]
+
+
+class LockHeld(Exception):
+    """A write or delete of a held lock's key by anyone: only its holder changes it (renew, release)."""

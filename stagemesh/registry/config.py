@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from stagemesh.config_flags import PORT_RULE, refused
+from stagemesh.tls import PlaintextConfig
 from stagemesh.tracing import TracingConfig
 
 
@@ -18,7 +19,9 @@ class RegistryConfig:
     tls: str | None = None
     """A directory with ca.pem, mesh.pem and mesh-key.pem (`stagemesh certs`): serve mutual TLS, so that only
     holders of a certificate from that CA reach the registry (default: plaintext)."""
+    plaintext: PlaintextConfig = field(default_factory=PlaintextConfig)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise refused(self, "port", PORT_RULE)
+        self.plaintext.refuse(self.tls, listens=(self.host,))

@@ -9,7 +9,7 @@ import grpc
 
 from stagemesh import grpc_server, metrics
 from stagemesh.discovery import embedded as er
-from stagemesh.discovery.registry import MAX_VALUE_BYTES
+from stagemesh.discovery.registry import MAX_VALUE_BYTES, LockHeld, holder_name
 from stagemesh.errors import ErrorCodes, StatusInterceptor
 from stagemesh.registry.state import EmbeddedRegistry
 from stagemesh.signals import until_signalled
@@ -23,8 +23,9 @@ MAX_REQUEST_BYTES = MAX_VALUE_BYTES + 64 * 1024
 smaller); gRPC refuses a larger one before buffering it."""
 
 
-ERROR_CODES: ErrorCodes = {ValueError: grpc.StatusCode.INVALID_ARGUMENT}
-"""A ValueError from the registry (a bad key, record or ttl) is the caller's fault: INVALID_ARGUMENT.
+ERROR_CODES: ErrorCodes = {ValueError: grpc.StatusCode.INVALID_ARGUMENT, LockHeld: grpc.StatusCode.FAILED_PRECONDITION}
+"""A ValueError from the registry (a bad key, record or ttl) is the caller's fault: INVALID_ARGUMENT; a write or
+delete of a held lock's key, FAILED_PRECONDITION.
 The server hosting the service answers with these through its StatusInterceptor."""
 
 
@@ -85,12 +86,13 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
         return registry_pb2.LockResponse(ok=await self.registry.renew_lock(request.key, request.holder_id))
 
     async def ReleaseLock(self, request, context):
-        held = await self.registry.lock_holder(request.key) == request.holder_id
+        held = await self.registry.lock_holder(request.key) == holder_name(request.holder_id)
         await self.registry.release_lock(request.key, request.holder_id)
         return registry_pb2.LockResponse(ok=held)
 
     async def LockHolder(self, request, context):
-        return registry_pb2.LockHolderResponse(holder_id=await self.registry.lock_holder(request.key) or "")
+        name = await self.registry.lock_holder(request.key)
+        return registry_pb2.LockHolderResponse(held=name is not None, holder_name=name or "")
 
     @staticmethod
     def _get_response(index, entry) -> registry_pb2.KvGetResponse:

@@ -19,10 +19,13 @@ from stagemesh import metrics
 from stagemesh.discovery.registry import (
     MAX_WAIT_S,
     KVEntry,
+    LockHeld,
     ServiceRecord,
     ServiceStatus,
+    check_holder_id,
     check_key,
     check_ttl,
+    holder_name,
 )
 
 
@@ -41,7 +44,8 @@ class _Entry:
     value: bytes
     modify_index: int
     holder: str | None = None
-    """Set while the key is a held lock; the lease ends at expires."""
+    """The holder's secret id, set while the key is a held lock (the value is its holder_name); the lease ends at
+    expires."""
     ttl_s: float = 0.0
     expires: float = 0.0
 
@@ -210,12 +214,19 @@ class EmbeddedRegistry:
         entry = self._kv.get(key)
         return (entry.value, entry.modify_index) if entry else (None, 0)
 
+    def _not_held(self, key: str) -> None:
+        """LockHeld for a held lock's key: only its holder changes it, by renewing or releasing."""
+        if self._held(key) is not None:
+            raise LockHeld(f"key {key!r} is a held lock: only its holder releases it")
+
     async def kv_put(self, key: str, value: bytes) -> None:
         check_key(key, value)
+        self._not_held(key)
         self._set(key, value)
 
     async def kv_cas(self, key: str, value: bytes, index: int) -> bool:
         check_key(key, value)
+        self._not_held(key)
         entry = self._kv.get(key)
         if (entry.modify_index if entry else 0) != index:
             return False
@@ -224,6 +235,7 @@ class EmbeddedRegistry:
 
     async def kv_delete(self, key: str) -> None:
         check_key(key)
+        self._not_held(key)
         self._delete(key)
 
     async def kv_list(self, prefix: str) -> list[KVEntry]:
@@ -247,12 +259,11 @@ class EmbeddedRegistry:
     async def acquire_lock(self, key: str, holder_id: str, ttl_s: float) -> bool:
         check_key(key)
         check_ttl("ttl_s", ttl_s)
-        if not holder_id:
-            raise ValueError("holder_id must be set")
+        check_holder_id(holder_id)
         held = self._held(key)
         if held is not None and held.holder != holder_id:
             return False
-        entry = held or self._set(key, holder_id.encode())
+        entry = held or self._set(key, holder_name(holder_id).encode())
         entry.holder, entry.ttl_s, entry.expires = holder_id, ttl_s, time.monotonic() + ttl_s
         self._start_reaper()
         return True
@@ -271,4 +282,4 @@ class EmbeddedRegistry:
 
     async def lock_holder(self, key: str) -> str | None:
         held = self._held(key)
-        return held.holder if held else None
+        return holder_name(held.holder) if held else None

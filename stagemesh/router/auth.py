@@ -2,10 +2,12 @@
 how often.
 
 The file names each caller and its secret:
-    {"tokens": [{"name": "billing", "token": "...", "max_priority": 0, "requests_per_second": 50}]}
+    {"tokens": [{"name": "billing", "token": "...", "max_priority": 0, "requests_per_second": 50,
+                 "max_concurrent": 8, "max_queued": 32, "tokens_per_minute": 200000, "max_new_tokens": 1024}]}
 A call must carry the metadata `authorization: Bearer <token>`, else UNAUTHENTICATED; a priority above
 the token's max_priority is PERMISSION_DENIED; more calls than its rate (a token bucket per caller,
-burst = rate) are RESOURCE_EXHAUSTED. Health and reflection stay open (probes and grpcurl need them).
+burst = rate) are RESOURCE_EXHAUSTED. The other limits (CallerLimits) are the admission queue's to hold
+(router/priority_queue.py). Health and reflection stay open (probes and grpcurl need them).
 
 Only SHA-256 digests of the tokens are kept, compared with hmac.compare_digest against every entry, so
 the secrets are in no object a log line, a metric or ListChains could show; callers are named by
@@ -16,6 +18,7 @@ removed ones stop at once, without a restart; a file that does not parse leaves 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import hmac
 import inspect
@@ -24,7 +27,7 @@ import logging
 import math
 import stat
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +38,7 @@ from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection
 
 from stagemesh import metrics
-from stagemesh.errors import StatusError
+from stagemesh.errors import Continuation, StatusError
 from stagemesh.v1 import router_pb2
 
 log = logging.getLogger("stagemesh.router")
@@ -46,7 +49,28 @@ OPEN_SERVICES = frozenset({health_pb2.DESCRIPTOR.services_by_name["Health"].full
 AUTHORIZATION = "authorization"
 MIN_TOKEN_CHARS = 16
 """A shorter secret is guessable; `python -c "import secrets; print(secrets.token_urlsafe(32))"` makes a good one."""
-_FIELDS = {"name", "token", "max_priority", "requests_per_second"}
+
+
+
+@dataclass(frozen=True)
+class CallerLimits:
+    """One caller's share of the router, from its entry in the tokens file; None: no limit. Held by the admission
+    queue (router/priority_queue.py), which refuses a request past one with RESOURCE_EXHAUSTED naming it."""
+
+    max_concurrent: int | None = None
+    """Streams of this caller that may run at once; more wait in the queue (its own, served in turn)."""
+    max_queued: int | None = None
+    """Requests of this caller that may wait at once; the next one is refused."""
+    tokens_per_minute: int | None = None
+    """Prompt and new tokens per minute: a request is charged its prompt plus max_new_tokens when it asks (a
+    bucket of this size that refills over a minute), and what it did not generate is given back when it ends."""
+    max_new_tokens: int | None = None
+    """The most new tokens one request of this caller may ask for."""
+
+
+NO_LIMITS = CallerLimits()
+_LIMITS = tuple(f.name for f in dataclasses.fields(CallerLimits))
+_FIELDS = {"name", "token", "max_priority", "requests_per_second", *_LIMITS}
 CALLER: ContextVar[str] = ContextVar("stagemesh_caller", default="")
 """The name of the caller whose call this task serves ("" without --auth-tokens): for its log lines."""
 
@@ -60,6 +84,11 @@ class Grant:
     max_priority: int = 0
     requests_per_second: float | None = None
     """None: no rate limit."""
+    limits: CallerLimits = NO_LIMITS
+
+
+GRANT: ContextVar[Grant | None] = ContextVar("stagemesh_grant", default=None)
+"""The grant of the caller whose call this task serves (None without --auth-tokens): its limits, for admission."""
 
 
 def _digest(token: str) -> bytes:
@@ -97,7 +126,14 @@ def parse_tokens(text: str, source: str) -> list[Grant]:
         if rate is not None and (isinstance(rate, bool) or not isinstance(rate, int | float)
                                  or not (math.isfinite(rate) and rate > 0)):
             raise ValueError(f"{where}: requests_per_second must be a number > 0 (leave it out for no limit)")
-        grants.append(Grant(name, _digest(token), max_priority, None if rate is None else float(rate)))
+        limits = {}
+        for field_name in _LIMITS:
+            value = entry.get(field_name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{where}: {field_name} must be an integer >= 1 (leave it out for no limit)")
+            limits[field_name] = value
+        grants.append(Grant(name, _digest(token), max_priority, None if rate is None else float(rate),
+                            CallerLimits(**limits)))
     names = [g.name for g in grants]
     if twice := sorted({n for n in names if names.count(n) > 1}):
         raise ValueError(f"{source}: caller names must be unique: {twice}")
@@ -107,11 +143,11 @@ def parse_tokens(text: str, source: str) -> list[Grant]:
 
 
 class TokenBucket:
-    """`rate` requests per second on average, at most max(rate, 1) at once."""
+    """`rate` requests per second on average, at most `capacity` (default max(rate, 1)) at once."""
 
-    def __init__(self, rate: float, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, rate: float, clock: Callable[[], float] = time.monotonic, capacity: float | None = None):
         self.rate = rate
-        self.capacity = max(rate, 1.0)
+        self.capacity = max(rate, 1.0) if capacity is None else capacity
         self.clock = clock
         self.level = self.capacity
         self.updated = clock()
@@ -124,6 +160,10 @@ class TokenBucket:
             return False
         self.level -= cost
         return True
+
+    def give(self, cost: float) -> None:
+        """Gives back what a taker did not use (never above capacity)."""
+        self.level = min(self.capacity, self.level + cost)
 
 
 def bearer_token(metadata: Sequence[tuple[str, Any]] | None) -> str | None:
@@ -189,9 +229,8 @@ class TokenAuth:
             raise StatusError(grpc.StatusCode.UNAUTHENTICATED, "the token is not valid here (unknown or revoked)")
         return found
 
-    def admit(self, metadata: Sequence[tuple[str, Any]] | None, request: Any) -> Grant:
-        """Authenticates the call and holds it to its grant: priority, then rate (a prompt costs one)."""
-        grant = self.authenticate(metadata)
+    def admit(self, grant: Grant, request: Any) -> Grant:
+        """Holds an authenticated call to its grant: priority, then rate (a prompt costs one)."""
         asked = priorities(request)
         if asked and max(asked) > grant.max_priority:
             raise StatusError(grpc.StatusCode.PERMISSION_DENIED,
@@ -210,58 +249,63 @@ class TokenAuth:
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):
-    """Holds every call but health and reflection to TokenAuth, before the handler runs; sets CALLER."""
+    """Holds every call but health and reflection to TokenAuth, before the handler runs; sets CALLER.
+
+    The token is checked on the call's metadata, which arrives before its message: a call without a valid one is
+    answered by a handler that takes the message as bytes (never parsed) and refuses it, so that a stranger's
+    16 MiB body costs the router no parse. Priority and rate need the parsed request and are checked after."""
 
     def __init__(self, auth: TokenAuth):
         self.auth = auth
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler | None:
+    async def intercept_service(self, continuation: Continuation,
+                                details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
         handler = await continuation(details)
         if handler is None or details.method.lstrip("/").split("/")[0] in OPEN_SERVICES:
             return handler
-        return _guarded(handler, self, details.method, details.invocation_metadata)
-
-    async def admit(self, method: str, metadata: Sequence[tuple[str, Any]] | None, request: Any,
-                    context: grpc.aio.ServicerContext) -> None:
-        """Lets the call through with CALLER set, or aborts it (always raises then)."""
         try:
-            grant = self.auth.admit(metadata, request)
+            grant = self.auth.authenticate(details.invocation_metadata)
         except StatusError as exc:
-            caller = self._known_caller(metadata)
+            return _guarded(handler, self, details.method, exc, parse=False)
+        return _guarded(handler, self, details.method, grant)
+
+    async def admit(self, method: str, grant: Grant | StatusError, request: Any,
+                    context: grpc.aio.ServicerContext) -> None:
+        """Lets the call through with CALLER set, or aborts it (always raises then); grant is the
+        authentication's outcome (its refusal, for a call without a valid token)."""
+        try:
+            if isinstance(grant, StatusError):
+                raise grant
+            self.auth.admit(grant, request)
+        except StatusError as exc:
+            caller = "" if isinstance(grant, StatusError) else grant.name
             metrics.AUTH_REFUSED.labels(exc.code.name, caller).inc()
             log.info(f"refused {method}: {exc.code.name}: {exc.message}", extra={"code": exc.code.name,
                                                                                   "caller": caller,
                                                                                   "peer": context.peer()})
             await context.abort(exc.code, exc.message)
         CALLER.set(grant.name)
-
-    def _known_caller(self, metadata: Sequence[tuple[str, Any]] | None) -> str:
-        with contextlib.suppress(StatusError):
-            return self.auth.authenticate(metadata).name
-        return ""
+        GRANT.set(grant)
 
 
 def _guarded(handler: grpc.RpcMethodHandler, interceptor: AuthInterceptor, method: str,
-             metadata: Sequence[tuple[str, Any]] | None) -> grpc.RpcMethodHandler:
-    """The same handler, admitted first; serializers and streaming kinds unchanged."""
-    serdes = {"request_deserializer": handler.request_deserializer,
+             grant: Grant | StatusError, parse: bool = True) -> grpc.RpcMethodHandler:
+    """The same handler, admitted first; serializers and streaming kinds unchanged, except that a call refused
+    already (parse=False) gets its message as bytes, unparsed."""
+    serdes = {"request_deserializer": handler.request_deserializer if parse else None,
               "response_serializer": handler.response_serializer}
     behavior = handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream
     unary_request = bool(handler.unary_unary or handler.unary_stream)
 
     if inspect.isasyncgenfunction(behavior):
         async def guarded(request_or_iterator, context):
-            await interceptor.admit(method, metadata, request_or_iterator if unary_request else None, context)
+            await interceptor.admit(method, grant, request_or_iterator if unary_request else None, context)
             async with contextlib.aclosing(behavior(request_or_iterator, context)) as responses:
                 async for response in responses:
                     yield response
     else:
         async def guarded(request_or_iterator, context):
-            await interceptor.admit(method, metadata, request_or_iterator if unary_request else None, context)
+            await interceptor.admit(method, grant, request_or_iterator if unary_request else None, context)
             return await behavior(request_or_iterator, context)
 
     if handler.unary_unary:

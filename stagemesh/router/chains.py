@@ -63,7 +63,7 @@ def parse_chain(spec: str, tls: Tls | None = None) -> Chain:
 class ChainSet:
     def __init__(self, chains: list[Chain], num_layers: int, model_digest: str,
                  on_change: Callable[[bool], None] | None = None, prefill_chunk: int = 0, tls: Tls | None = None,
-                 long_prompt_tokens: int = 0, slots_per_chain: int = 0):
+                 long_prompt_tokens: int = 0, slots_per_chain: int = 0, panic_threshold: float = 0.0):
         # Length-aware routing: prompts longer than this go to the widest chains first, others to replicas (0: off).
         self.long_prompt_tokens = long_prompt_tokens
         self.slots_per_chain = slots_per_chain  # streams past which a preferred chain counts as full (0: never)
@@ -79,11 +79,17 @@ class ChainSet:
         # Chains withdrawn with streams still on them, by id: one published again (a registry flap) is taken
         # back as it is, so its streams keep counting against it and its channels stay open.
         self._withdrawn: dict[str, Chain] = {}
+        # A table that would leave fewer than this share of the chains passing their checks now is followed only
+        # for the chains it adds (Envoy's panic threshold): see adopt().
+        self.panic_threshold = panic_threshold
+        self._published: dict[str, object] = {}  # each adopted chain's entry in the table that named it
 
     async def adopt(self, published) -> None:
         """Follows a new table (discovery.chain_table.PublishedChain) make-before-break: the chains it adds are
         checked before they replace the ones they succeed, so a re-plan that renames every chain leaves no
-        moment without a usable one."""
+        moment without a usable one. A table that drops most of the chains serving now keeps those that still
+        pass a check (a scheduler that lost sight of their stages is likelier than most of a fleet dying at once);
+        each leaves when its checks fail or a later table drops it alone."""
         known = {c.chain_id for c in self.chains} | set(self._withdrawn)
         fresh = {p.chain_id: self._new_chain(p) for p in published if p.chain_id not in known}
         results = await asyncio.gather(*(self.check(c) for c in fresh.values()))
@@ -91,11 +97,32 @@ class ChainSet:
             chain.healthy = bool(result)
             if chain.healthy:
                 log.info(f"chain {chain.chain_id} ({chain.label}) is up", extra={"chain": chain.chain_id})
+        published = list(published) + await self._kept_in_panic(published, fresh)
+        self._published = {p.chain_id: p for p in published}
         if self.replace(published, fresh):
             await self.refresh()
         for chain in fresh.values():  # built for an id the table names twice: never adopted
             for stage in chain.stages:
                 background(stage.close())
+
+    async def _kept_in_panic(self, published, fresh: dict[str, Chain]) -> list:
+        """The table entries of the serving chains a table drops, where it drops most of them and they still
+        pass a check now; none otherwise."""
+        wanted = {p.chain_id for p in published}
+        serving = [c for c in self.chains if c.healthy]
+        dropped = [c for c in serving if c.chain_id not in wanted and c.chain_id in self._published]
+        staying = len(serving) - len(dropped) + sum(c.healthy for c in fresh.values())
+        if not dropped or staying >= self.panic_threshold * len(serving):
+            return []
+        passing = [c for c, ok in zip(dropped, await asyncio.gather(*(self.check(c) for c in dropped)), strict=True)
+                   if ok is not False]
+        if passing:
+            metrics.PANIC_TABLES.inc()
+            log.warning(f"the published table drops {len(dropped)} of the {len(serving)} chains serving now, leaving "
+                        f"{staying}: below the panic threshold ({self.panic_threshold:g}), so the "
+                        f"{len(passing)} that pass their checks keep serving: "
+                        + ", ".join(c.chain_id for c in passing))
+        return [self._published[c.chain_id] for c in passing]
 
     def _new_chain(self, p) -> Chain:
         return Chain([StageEndpoint(s.address, s.layer_start, s.layer_end, tls=self.tls, tp=s.tp) for s in p.stages],

@@ -25,7 +25,7 @@ from stagemesh.request_limits import (
     check_sampling,
     request_id_problem,
 )
-from stagemesh.router.auth import CALLER
+from stagemesh.router.auth import CALLER, GRANT, NO_LIMITS
 from stagemesh.router.chains import ChainSet, NoUsableChain, kind, width
 from stagemesh.router.generation import GenerationConfig, GenerationRequest, generate
 from stagemesh.router.priority_queue import AdmissionRefused, PriorityAdmission, priority_class
@@ -79,6 +79,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
             raise StatusError(grpc.StatusCode.OUT_OF_RANGE,
                               f"the prompt has {len(request.prompt)} characters, more than the model's context of "
                               f"{self.max_position} tokens can hold: shorten it")
+        if len(request.token_ids) >= self.max_position:  # counted before anything copies or scans them
+            raise StatusError(grpc.StatusCode.OUT_OF_RANGE, f"the prompt has {len(request.token_ids)} tokens; the "
+                              f"model's context is {self.max_position}: shorten it")
         if request.prompt:  # off the event loop: a long text must not stall other callers' streams
             prompt_ids = (await asyncio.to_thread(self.tokenizer, request.prompt, add_special_tokens=True))[
                 "input_ids"]
@@ -133,8 +136,11 @@ class RouterService(router_pb2_grpc.RouterServicer):
         extra = req.log_extra()
         cls = priority_class(req.priority)
         arrived = time.perf_counter()
+        grant = GRANT.get()
         try:
-            await self.admission.acquire(req.priority, req.deadline)
+            ticket = await self.admission.acquire(req.priority, req.deadline, req.caller,
+                                                  grant.limits if grant else NO_LIMITS, len(req.prompt_ids),
+                                                  req.max_new_tokens)
         except AdmissionRefused as exc:
             log.warning(exc.message, extra=extra)
             metrics.count_request(exc.code.name, req.caller)
@@ -144,13 +150,17 @@ class RouterService(router_pb2_grpc.RouterServicer):
         status = "CANCELLED"
         first = seed_untold = True
         last_token_at: float | None = None
+        generated = 0
+        limit_s = self.admission.config.max_stream_seconds
+        ends = asyncio.get_running_loop().time() + limit_s if limit_s else None
         log.info(f"generate: {len(req.prompt_ids)} prompt tokens, up to {req.max_new_tokens} new, "
                  f"priority {req.priority}", extra=extra)
         try:
             # Closed here, not when the collector gets to it: a stream's next step is on its way as it yields.
             async with contextlib.aclosing(generate(req, self.chains, self.tokenizer, self.eos_ids,
                                                     self.config)) as pieces:
-                async for piece in pieces:
+                while (piece := await self._next_piece(pieces, ends, limit_s)) is not None:
+                    generated += len(piece.token_ids)
                     now = time.perf_counter()
                     if first:
                         metrics.TIME_TO_FIRST_TOKEN.labels(cls).observe(now - arrived)
@@ -188,8 +198,23 @@ class RouterService(router_pb2_grpc.RouterServicer):
             log.warning(f"generate failed: {exc.code.name}: {exc.message}", extra=extra)
             raise
         finally:
-            self.admission.release()
+            self.admission.release(ticket, len(req.prompt_ids) + generated)
             metrics.count_request(status, req.caller)
+
+    @staticmethod
+    async def _next_piece(pieces: AsyncIterator, ends: float | None, limit_s: float):
+        """The stream's next piece, None at its end; StatusError once it has run past --max-stream-seconds (ends).
+        RESOURCE_EXHAUSTED, not DEADLINE_EXCEEDED: the caller's own deadline did not pass, the router's share of
+        time per stream did; retrying with a longer deadline would not help, asking for fewer tokens would."""
+        try:
+            async with asyncio.timeout_at(ends):
+                return await anext(pieces)
+        except StopAsyncIteration:
+            return None
+        except TimeoutError:
+            raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"the stream ran past this router's --max-stream-seconds {limit_s:g}: ask for fewer "
+                              "new tokens") from None
 
     async def Generate(self, request, context):
         # Closed with the call, not when collected: _stream gives its admission slot back then.

@@ -14,7 +14,7 @@ import grpc
 from stagemesh import grpc_server, metrics, tls
 from stagemesh.checkpoint import model_fingerprint
 from stagemesh.config_flags import PORT_RULE, refused
-from stagemesh.discovery.backends import open_registry
+from stagemesh.discovery.backends import open_registry, plaintext_hosts
 from stagemesh.errors import StatusInterceptor
 from stagemesh.router.auth import AuthInterceptor, TokenAuth
 from stagemesh.router.chain_client import background
@@ -22,13 +22,57 @@ from stagemesh.router.chain_watch import follow_chains
 from stagemesh.router.chains import ChainSet, parse_chain
 from stagemesh.router.generation import GenerationConfig
 from stagemesh.router.priority_queue import AdmissionConfig, PriorityAdmission
+from stagemesh.router.request_size import RequestSizeInterceptor
 from stagemesh.router.router_service import RouterService
 from stagemesh.signals import until_signalled
+from stagemesh.tls import PlaintextConfig
 from stagemesh.tracing import TracingConfig
 from stagemesh.v1 import router_pb2, router_pb2_grpc
 
 log = logging.getLogger("stagemesh.router")
 SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
+
+
+@dataclass
+class PublicPortConfig:
+    """The limits of the router's public port, where anyone who reaches it may connect: how many streams one
+    connection may hold, how long an idle or old connection lives, how often a client may ping."""
+
+    max_concurrent_streams: int = 1000
+    """Streams one connection may have open at once; a client opens more only when some end (HTTP/2's
+    SETTINGS_MAX_CONCURRENT_STREAMS)."""
+    max_connection_idle_s: float = 600.0
+    """A connection with no call for this long is closed (GOAWAY; clients reconnect when they call again)
+    (0: never)."""
+    max_connection_age_s: float = 0.0
+    """A connection older than this is told to go (GOAWAY), its calls given --max-connection-age-grace-s to
+    finish, so that a load balancer's new replicas get connections (0: never)."""
+    max_connection_age_grace_s: float = 30.0
+    """How long calls on a connection past --max-connection-age-s may still run before it is closed."""
+    min_ping_interval_s: float = 15.0
+    """A client's pings closer together than this (with no data between) are strikes."""
+    max_ping_strikes: int = 2
+    """Strikes after which the connection is closed (GOAWAY, too_many_pings) (0: no limit)."""
+
+    def __post_init__(self) -> None:
+        if not self.max_concurrent_streams >= 1:
+            raise refused(self, "max_concurrent_streams", "must be >= 1 stream per connection")
+        for name in ("max_connection_idle_s", "max_connection_age_s", "max_connection_age_grace_s",
+                     "min_ping_interval_s"):
+            if not getattr(self, name) >= 0:
+                raise refused(self, name, "must be >= 0 seconds")
+        if not self.max_ping_strikes >= 0:
+            raise refused(self, "max_ping_strikes", "must be >= 0 (0: no limit)")
+
+    def options(self) -> list[tuple[str, int]]:
+        """As gRPC channel arguments (a limit of 0 seconds: the argument left out, gRPC's own infinity)."""
+        ms = {"grpc.max_connection_idle_ms": self.max_connection_idle_s,
+              "grpc.max_connection_age_ms": self.max_connection_age_s,
+              "grpc.max_connection_age_grace_ms": self.max_connection_age_grace_s if self.max_connection_age_s else 0}
+        return [("grpc.max_concurrent_streams", self.max_concurrent_streams),
+                ("grpc.http2.min_recv_ping_interval_without_data_ms", int(self.min_ping_interval_s * 1000)),
+                ("grpc.http2.max_ping_strikes", self.max_ping_strikes),
+                *((name, int(seconds * 1000)) for name, seconds in ms.items() if seconds)]
 
 
 @dataclass
@@ -50,11 +94,16 @@ class RouterConfig:
     health_interval_s: float = 1.0
     """Seconds between health checks of every chain's stages."""
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    public_port: PublicPortConfig = field(default_factory=PublicPortConfig)
     registry: str | None = None
     """Follow the chains the scheduler publishes there (local://HOST:PORT, consul://HOST:PORT,
     consul+https://HOST:PORT, etcd://HOST:PORT[,HOST:PORT...] or etcd+https://...) instead of --chain."""
     model_name: str = ""
     """The model's name in the registry (default: the checkpoint directory's name)."""
+    panic_threshold: float = 0.5
+    """A published table that would leave fewer than this share of the chains passing the router's own checks is
+    followed only in part: the chains it drops that still pass keep serving until their checks fail (a scheduler
+    that lost sight of stages must not take working chains away). 0: follow every table."""
     tracing: TracingConfig = field(default_factory=TracingConfig)
     metrics_port: int | None = None
     """Serve Prometheus metrics on this port (default: none)."""
@@ -72,9 +121,10 @@ class RouterConfig:
     client_ca: str | None = None
     """A PEM file of CAs: callers must present a certificate issued by one of them (needs --tls or --public-cert)."""
     auth_tokens: str | None = None
-    """A JSON file of callers' tokens ({"tokens": [{"name", "token", "max_priority", "requests_per_second"}]}):
-    calls need 'authorization: Bearer <token>' (health and reflection stay open); reloaded on SIGHUP
-    (default: no tokens, any caller)."""
+    """A JSON file of callers' tokens ({"tokens": [{"name", "token", "max_priority", "requests_per_second",
+    "max_concurrent", "max_queued", "tokens_per_minute", "max_new_tokens"}]}): calls need 'authorization: Bearer
+    <token>' (health and reflection stay open); reloaded on SIGHUP (default: no tokens, any caller)."""
+    plaintext: PlaintextConfig = field(default_factory=PlaintextConfig)
 
     def __post_init__(self) -> None:
         if bool(self.chains) == bool(self.registry):
@@ -94,6 +144,13 @@ class RouterConfig:
             raise refused(self, "long_prompt_tokens", "must be >= 0 prompt tokens (0: route by load alone)")
         if not self.health_interval_s > 0:
             raise refused(self, "health_interval_s", "must be > 0 seconds between health checks")
+        if not 0 <= self.panic_threshold <= 1:
+            raise refused(self, "panic_threshold", "must be a share in [0, 1] (0: follow every table)")
+        # The public port is TLS with --tls or --public-cert; the hops to stages and the registry with --tls only.
+        self.plaintext.refuse(self.tls or self.public_cert, listens=(self.host,),
+                              bearer_tokens=self.auth_tokens is not None)
+        self.plaintext.refuse(self.tls, dials=(*(a.strip() for c in self.chains for a in c.split(",") if a.strip()),
+                                               *plaintext_hosts(self.registry)))
         self.model_name = self.model_name or Path(self.model).name
 
 
@@ -138,14 +195,17 @@ class RouterServer:
         model_config = AutoConfig.from_pretrained(config.model, local_files_only=True)
         tokenizer = AutoTokenizer.from_pretrained(config.model, local_files_only=True)
         interceptors = [AuthInterceptor(self.auth)] if self.auth else []
-        self.server = grpc_server.new_server([*interceptors, StatusInterceptor(log)],
-                                             grpc_server.PUBLIC_MAX_MESSAGE_BYTES)
+        # Outermost first: the token (from metadata, before parsing), then errors, then sizes (before parsing).
+        self.server = grpc_server.new_server([*interceptors, StatusInterceptor(log),
+                                              RequestSizeInterceptor(model_config.max_position_embeddings)],
+                                             grpc_server.PUBLIC_MAX_MESSAGE_BYTES, config.public_port.options())
         self.health = grpc_server.add_health_and_reflection(self.server, [SERVICE_NAME])
         self.chains = ChainSet([parse_chain(c, self.tls) for c in config.chains], model_config.num_hidden_layers,
                                model_fingerprint(config.model), on_change=self._on_chains_change,
                                prefill_chunk=config.generation.prefill_chunk, tls=self.tls,
                                long_prompt_tokens=config.long_prompt_tokens,
-                               slots_per_chain=config.admission.slots_per_chain)
+                               slots_per_chain=config.admission.slots_per_chain,
+                               panic_threshold=config.panic_threshold)
         for chain in self.chains.chains:
             chain.healthy = False  # until the first health check passes
         self.admission = PriorityAdmission(config.admission, lambda: len(self.chains.usable()))

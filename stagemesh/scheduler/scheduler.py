@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import secrets
 import time
 import uuid
 from collections import Counter
@@ -25,6 +26,7 @@ from stagemesh.checkpoint import (
     serving_dtype,
 )
 from stagemesh.config_flags import NOT_A_FLAG, PORT_RULE, refused
+from stagemesh.discovery.backends import plaintext_hosts
 from stagemesh.discovery.chain_table import PublishedChain, PublishedStage, decode_chains, encode_chains
 from stagemesh.discovery.registry import (
     Registry,
@@ -33,13 +35,17 @@ from stagemesh.discovery.registry import (
     assignment_key,
     assignments_prefix,
     chains_key,
+    holder_name,
     leader_key,
     parse_layers,
 )
 from stagemesh.scheduler import placement, tp_advice
+from stagemesh.scheduler.lapsed import LapsedStages
+from stagemesh.tls import PlaintextConfig, Tls
 from stagemesh.tracing import TracingConfig
 
 log = logging.getLogger("stagemesh.scheduler")
+
 
 
 @dataclass
@@ -72,6 +78,7 @@ class SchedulerConfig:
     tls: str | None = None
     """A directory with ca.pem, mesh.pem and mesh-key.pem (`stagemesh certs`): the hosted registry serves mutual
     TLS and the scheduler reaches its registry with it (default: plaintext)."""
+    plaintext: PlaintextConfig = field(default_factory=PlaintextConfig)
     metrics_port: int | None = None
     """Serve Prometheus metrics on this port (default: none): leadership, chains published, stages seen and
     assigned, reconcile time; with --registry local, the hosted registry's too."""
@@ -92,6 +99,12 @@ class SchedulerConfig:
             raise refused(self, "registry_port", PORT_RULE)
         if self.metrics_port is not None and not 0 < self.metrics_port <= 65535:
             raise refused(self, "metrics_port", "must be 1..65535")
+        self.plaintext.refuse(self.tls, listens=(self.host,) if self.registry == "local" else (),
+                              dials=plaintext_hosts(self.registry))
+
+
+class LeaseLapsing(Exception):
+    """The leader could not renew its lock in time: it must stop acting before the lease lapses."""
 
 
 def host_of(status: ServiceStatus, num_layers: int) -> placement.Host:
@@ -127,7 +140,7 @@ def serves(status: ServiceStatus, start: int, end: int) -> bool:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, registry: Registry):
+    def __init__(self, config: SchedulerConfig, registry: Registry, tls: Tls | None = None):
         self.config = config
         self.registry = registry
         model_config = read_config(config.model)
@@ -138,10 +151,16 @@ class Scheduler:
         self.plan: placement.Plan | None = None
         self.published: list[PublishedChain] | None = None
         self.leading = False
+        # The leader lock's holder id is a secret (whoever sends it renews or releases the lock); the registry
+        # shows others its digest, holder_name, which is also what this scheduler logs.
+        self.holder_id = f"{config.scheduler_id}-{secrets.token_hex(16)}"
         self._assigned: dict[str, str] = {}
         self._versions: dict[str, int] = {}  # key -> modify_index of this leader's last write
         self._reported: set[str] = set()  # problems already logged: each once, not once per poll
         self._found: list[placement.ChainPlan] = []  # the chains published when this leader took over
+        # A probe of lapsed stages: at most a quarter of the lock's TTL, since the leader renews between reconciles.
+        self.lapsed = LapsedStages(tls, timeout_s=min(1.0, config.lock_ttl_s / 4))
+        self._renewed_at = 0.0  # event-loop time at which the last successful renewal (or the acquire) was asked
 
     @property
     def name(self) -> str:
@@ -169,13 +188,19 @@ class Scheduler:
         metrics.announce("scheduler", self.name)
         while True:
             try:
-                if await self.registry.acquire_lock(leader_key(self.name), self.config.scheduler_id, ttl):
-                    log.info(f"{self.config.scheduler_id} leads scheduling of {self.name}")
+                asked = asyncio.get_running_loop().time()
+                if await self.registry.acquire_lock(leader_key(self.name), self.holder_id, ttl):
+                    self._renewed_at = asked
+                    log.info(f"{self.config.scheduler_id} ({holder_name(self.holder_id)}) leads scheduling of "
+                             f"{self.name}")
                     self.leading = True
                     metrics.SCHEDULER_LEADER.set(1)
                     metrics.SCHEDULER_TAKEOVERS.inc()
                     await self._lead()
                     log.warning(f"{self.config.scheduler_id} lost the leader lock; standing by")
+            except LeaseLapsing:
+                log.warning(f"{self.config.scheduler_id} could not renew the leader lock in time; it stopped "
+                            "acting before its lease could lapse, and stands by")
             except RegistryError as exc:
                 log.warning(f"registry unreachable ({exc}); retrying")
             except Exception as exc:  # a bug or bad data: stand down, log, campaign again (never die)
@@ -195,12 +220,39 @@ class Scheduler:
     async def stop(self) -> None:
         if self.leading:
             with contextlib.suppress(RegistryError):
-                await self.registry.release_lock(leader_key(self.name), self.config.scheduler_id)
+                await self.registry.release_lock(leader_key(self.name), self.holder_id)
+        await self.lapsed.close()
+
+    def _check_lease(self) -> None:
+        """Renew-deadline: a leader acts only while its lease surely holds, the last renewal asked less than two
+        thirds of the TTL ago; past that a standby may be about to take over, so it writes nothing more."""
+        if asyncio.get_running_loop().time() - self._renewed_at >= self.config.lock_ttl_s * 2 / 3:
+            raise LeaseLapsing()
+
+    async def _keep_lock(self) -> None:
+        """Renews the lock every third of its TTL on its own, whatever a reconcile costs; returns when a renewal
+        finds the lock lost."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self.config.lock_ttl_s / 3)
+            asked = loop.time()
+            if not await self.registry.renew_lock(leader_key(self.name), self.holder_id):
+                return
+            self._renewed_at = asked
 
     async def _lead(self) -> None:
+        keeper = asyncio.get_running_loop().create_task(self._keep_lock(), name="scheduler-lock")
+        try:
+            await self._lead_while(keeper)
+        finally:
+            keeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await keeper  # a renewal's RegistryError surfaces here, to run()
+
+    async def _lead_while(self, keeper: asyncio.Task) -> None:
         loop = asyncio.get_running_loop()
         ttl = self.config.lock_ttl_s
-        index, renewed = 0, loop.time()
+        index = 0
         # Start from what serves (placement.serving_plan), so a takeover changes nothing that works.
         self.plan, self.published = None, None
         self._versions = {}
@@ -218,12 +270,10 @@ class Scheduler:
         if table is None:
             log.info(f"no chain table in the registry: watching registrations for {self.config.settle_s:g}s "
                      "before planning")
-        while True:
+        while not keeper.done():
             index, services = await self.registry.watch_services(index, timeout_s=ttl / 3, model=self.name)
-            if loop.time() - renewed >= ttl / 3:
-                if not await self.registry.renew_lock(leader_key(self.name), self.config.scheduler_id):
-                    return
-                renewed = loop.time()
+            if keeper.done():
+                return
             if loop.time() >= settled:
                 t0 = time.perf_counter()
                 await self.reconcile(services)
@@ -232,6 +282,7 @@ class Scheduler:
     async def _write(self, key: str, value: bytes) -> bool:
         """Check-and-set against the version this leader last wrote (or read at takeover): a write that
         finds someone else's newer version means another scheduler acts too, so this one stands down."""
+        self._check_lease()
         index = self._versions.get(key)
         if index is None:
             _, index = await self.registry.kv_get(key)
@@ -245,6 +296,9 @@ class Scheduler:
 
     async def reconcile(self, services: list[ServiceStatus]) -> None:
         """Plans for the live stage servers, tells each its range, and publishes the chains that serve."""
+        metrics.STAGES_SEEN.labels("passing").set(sum(s.passing for s in services))
+        metrics.STAGES_SEEN.labels("critical").set(sum(not s.passing for s in services))
+        services = await self.lapsed.keep_answering(services)
         self.footprint = self.footprint_for(services)
         live, hosts = {}, []
         for s in services:
@@ -264,20 +318,26 @@ class Scheduler:
         self.plan = new_plan
 
         wanted = new_plan.assignments()
-        metrics.STAGES_SEEN.labels("passing").set(sum(s.passing for s in services))
-        metrics.STAGES_SEEN.labels("critical").set(sum(not s.passing for s in services))
         metrics.STAGES_SEEN.labels("assigned").set(sum(1 for sid in live if wanted.get(sid)))
+        changed = {}
         for sid, status in live.items():
             if status.record.meta.get("fixed") == "1":
                 continue
             rng = wanted.get(sid)
             value = f"{rng[0]}:{rng[1]}" if rng else ""
             if self._assigned.get(sid) != value:
-                await self.registry.kv_put(assignment_key(self.name, sid), value.encode())
-                self._assigned[sid] = value
-                log.info(f"assigned layers {value or '(none: spare)'} to {sid}")
-        for sid in [sid for sid in self._assigned if sid not in live]:
-            await self.registry.kv_delete(assignment_key(self.name, sid))
+                changed[sid] = value
+        gone = [sid for sid in self._assigned if sid not in live]
+        if changed or gone:
+            self._check_lease()
+            # Concurrently: at fleet size, one write after another would hold the plan back for seconds.
+            await asyncio.gather(*(self.registry.kv_put(assignment_key(self.name, sid), v.encode())
+                                   for sid, v in changed.items()),
+                                 *(self.registry.kv_delete(assignment_key(self.name, sid)) for sid in gone))
+        for sid, value in changed.items():
+            self._assigned[sid] = value
+            log.info(f"assigned layers {value or '(none: spare)'} to {sid}")
+        for sid in gone:
             del self._assigned[sid]
 
         by_id = {h.host_id: h for h in hosts}

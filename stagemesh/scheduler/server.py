@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from stagemesh import metrics
-from stagemesh.discovery.backends import open_registry
+from stagemesh.discovery.backends import open_registry, plaintext_hosts
 from stagemesh.discovery.chain_table import decode_chains, published_plan
 from stagemesh.discovery.registry import chains_key
 from stagemesh.scheduler.scheduler import Scheduler, SchedulerConfig
 from stagemesh.signals import until_signalled
-from stagemesh.tls import Tls
+from stagemesh.tls import PlaintextConfig, Tls
 
 log = logging.getLogger("stagemesh.scheduler")
 
@@ -32,15 +32,17 @@ class PlanConfig:
     """The model's name in the registry (default: the checkpoint directory's name)."""
     tls: str | None = None
     """A directory with ca.pem, mesh.pem and mesh-key.pem: reach a registry that serves mutual TLS."""
+    plaintext: PlaintextConfig = field(default_factory=PlaintextConfig)
 
     def __post_init__(self) -> None:
         self.model_name = self.model_name or Path(self.model).name
+        self.plaintext.refuse(self.tls, dials=plaintext_hosts(self.registry))
 
 
 async def serve_scheduler(config: SchedulerConfig, registry_url: str, tls: Tls | None = None) -> None:
     metrics.serve_metrics(config.metrics_port, config.host)
     registry = open_registry(registry_url, tls)
-    scheduler = Scheduler(config, registry)
+    scheduler = Scheduler(config, registry, tls)
     task = asyncio.get_running_loop().create_task(scheduler.run())
     print(f"scheduler ready ({config.scheduler_id}, registry {registry_url})", flush=True)
     await until_signalled()

@@ -10,6 +10,8 @@ from typing import get_args
 from stagemesh import grpc_server
 from stagemesh.checkpoint import QUANTIZE, DtypeChoice, Quantization
 from stagemesh.config_flags import PORT_RULE, refused
+from stagemesh.discovery.backends import plaintext_hosts
+from stagemesh.tls import PlaintextConfig
 from stagemesh.tracing import TracingConfig
 
 PASS_TOKENS = {"cpu": 256, "cuda": 2048}
@@ -169,6 +171,7 @@ class StageConfig:
     tls: str | None = None
     """A directory with ca.pem, mesh.pem and mesh-key.pem (`stagemesh certs`): serve mutual TLS (callers need a
     certificate from that CA) and reach the registry with it (default: plaintext)."""
+    plaintext: PlaintextConfig = field(default_factory=PlaintextConfig)
     model_name: str = ""
     """The model's name in the registry (default: the checkpoint directory's name)."""
     memory_gb: float | None = None
@@ -303,5 +306,6 @@ class StageConfig:
             raise refused(self, "gpu_memory_utilization", "must be a share of the GPU's memory, in (0, 1]")
         if self.devices is not None and not self.devices >= 1:
             raise refused(self, "devices", "must be >= 1 (leave it out to count this machine's CUDA devices)")
+        self.plaintext.refuse(self.tls, listens=(self.host,), dials=plaintext_hosts(self.registry))
         self.host_id = self.host_id or socket.gethostname()
         self.model_name = self.model_name or Path(self.model).name

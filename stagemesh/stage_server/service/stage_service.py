@@ -60,14 +60,14 @@ A step that failed alone in its pass (batcher.StepFailed) is such a bug, of that
 
 class StageService(stage_pb2_grpc.StageServicer):
     def __init__(self, model: StageModel, sessions: SessionTable, batcher: StepBatcher, model_name: str,
-                 fingerprint: str, address: str = "", tls: Tls | None = None):
+                 fingerprint: str, address: str = "", tls: Tls | None = None, insecure: bool = False):
         self.address = address  # in every log line, with the request id: a request is followed across hops
         self.model = model
         self.sessions = sessions
         self.batcher = batcher
         self.model_name = model_name
         self.fingerprint = fingerprint
-        self.links = Links(tls, self._link_broken, self._relay_refused)  # to next stages, with the mesh's TLS
+        self.links = Links(tls, self._link_broken, self._relay_refused, insecure)  # to next stages, with the mesh's TLS
 
     async def close(self) -> None:
         """Ends the links to next stages and the routers' Sessions streams (the slice is swapped or the stage stops)."""
@@ -86,6 +86,8 @@ class StageService(stage_pb2_grpc.StageServicer):
                               f"wire_dtype {request.wire_dtype!r}: use one of {', '.join(tensor_codec.WIRE_DTYPES)}")
         if request.next_address and self.model.is_last:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "the last stage has no next stage to forward to")
+        if request.next_address:
+            self.links.check(request.next_address)
         route = Route(request.next_address, request.next_key, request.upstream_key, sampling, request.wire_dtype,
                       request.previous_address, request.repairable)
         session = self.sessions.open(request.session_id, request.max_length, request_id, caller_of(context), route,
