@@ -75,7 +75,6 @@ class GenerationRequest:
         """What the request's log lines carry: its id and its caller."""
         return {"request_id": self.request_id, "caller": self.caller, **more}
 
-
     def sampling(self, eos_ids: frozenset[int]) -> Sampling:
         """What the last stage is told: the request's sampling and processing, and for min_tokens the end tokens
         it suppresses until the position of the min_tokens-th new token."""
