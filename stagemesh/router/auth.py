@@ -5,7 +5,8 @@ The file names each caller and its secret:
     {"tokens": [{"name": "billing", "token": "...", "max_priority": 0, "requests_per_second": 50}]}
 A call must carry the metadata `authorization: Bearer <token>`, else UNAUTHENTICATED; a priority above
 the token's max_priority is PERMISSION_DENIED; more calls than its rate (a token bucket per caller,
-burst = rate) are RESOURCE_EXHAUSTED. Health and reflection stay open (probes and grpcurl need them).
+burst = rate) are RESOURCE_EXHAUSTED. Health and reflection stay open (probes and grpcurl need them). The HTTP
+front (router/http_api.py) holds its calls to the same, through admit_call, with the `authorization` header.
 
 Only SHA-256 digests of the tokens are kept, compared with hmac.compare_digest against every entry, so
 the secrets are in no object a log line, a metric or ListChains could show; callers are named by
@@ -229,20 +230,31 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
                     context: grpc.aio.ServicerContext) -> None:
         """Lets the call through with CALLER set, or aborts it (always raises then)."""
         try:
-            grant = self.auth.admit(metadata, request)
+            grant = admit_call(self.auth, method, metadata, request, context.peer())
         except StatusError as exc:
-            caller = self._known_caller(metadata)
-            metrics.AUTH_REFUSED.labels(exc.code.name, caller).inc()
-            log.info(f"refused {method}: {exc.code.name}: {exc.message}", extra={"code": exc.code.name,
-                                                                                  "caller": caller,
-                                                                                  "peer": context.peer()})
             await context.abort(exc.code, exc.message)
         CALLER.set(grant.name)
 
-    def _known_caller(self, metadata: Sequence[tuple[str, Any]] | None) -> str:
-        with contextlib.suppress(StatusError):
-            return self.auth.authenticate(metadata).name
-        return ""
+
+def admit_call(auth: TokenAuth, method: str, metadata: Sequence[tuple[str, Any]] | None, request: Any, peer: str,
+               *, authenticate_only: bool = False) -> Grant:
+    """Both front doors' check of a call (gRPC's interceptor, the HTTP front): TokenAuth.admit, a refusal counted
+    (AUTH_REFUSED) and logged with the caller's name when its token was valid, then raised as StatusError.
+    authenticate_only: the token alone (the HTTP front refuses a caller without one before reading its body)."""
+    try:
+        return auth.authenticate(metadata) if authenticate_only else auth.admit(metadata, request)
+    except StatusError as exc:
+        caller = _known_caller(auth, metadata)
+        metrics.AUTH_REFUSED.labels(exc.code.name, caller).inc()
+        log.info(f"refused {method}: {exc.code.name}: {exc.message}", extra={"code": exc.code.name,
+                                                                              "caller": caller, "peer": peer})
+        raise
+
+
+def _known_caller(auth: TokenAuth, metadata: Sequence[tuple[str, Any]] | None) -> str:
+    with contextlib.suppress(StatusError):
+        return auth.authenticate(metadata).name
+    return ""
 
 
 def _guarded(handler: grpc.RpcMethodHandler, interceptor: AuthInterceptor, method: str,

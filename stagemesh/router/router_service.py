@@ -38,6 +38,12 @@ FINISH = {
 }
 
 
+def call_deadline(context: grpc.aio.ServicerContext) -> float | None:
+    """The event-loop time by which a gRPC call must end (None: the caller set no deadline)."""
+    remaining = context.time_remaining()
+    return asyncio.get_running_loop().time() + remaining if remaining is not None else None
+
+
 class RouterService(router_pb2_grpc.RouterServicer):
     def __init__(self, chains: ChainSet, tokenizer, model_config, eos_ids: frozenset[int],
                  config: GenerationConfig, model_name: str, admission: PriorityAdmission):
@@ -50,8 +56,12 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self.config = config
         self.model_name = model_name
 
-    async def to_generation_request(self, request: router_pb2.GenerateRequest, context) -> GenerationRequest:
-        """Checks everything a stage would refuse, and the bounds of request_limits, before any work."""
+    async def to_generation_request(self, request: router_pb2.GenerateRequest, deadline: float | None,
+                                    caller: str = "", *, fill_context: bool = False) -> GenerationRequest:
+        """Checks everything a stage would refuse, and the bounds of request_limits, before any work. deadline: the
+        event-loop time by which the call must end (None: none); caller: its token's name (router.auth).
+        fill_context: max_new_tokens 0 asks for the context left after the prompt (the HTTP front, max_tokens
+        left out); gRPC callers must ask for at least 1."""
         bad = grpc.StatusCode.INVALID_ARGUMENT
         if request.request_id and (problem := request_id_problem(request.request_id)):
             raise StatusError(bad, problem)
@@ -63,7 +73,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
             raise StatusError(bad, str(exc)) from None
         if len(request.stop) > MAX_STOP_STRINGS or any(not 0 < len(s) <= MAX_STOP_CHARS for s in request.stop):
             raise StatusError(bad, f"stop: at most {MAX_STOP_STRINGS} strings of 1..{MAX_STOP_CHARS} characters")
-        if request.max_new_tokens <= 0:
+        if request.max_new_tokens < 0 or request.max_new_tokens == 0 and not fill_context:
             raise StatusError(bad, "max_new_tokens must be at least 1")
         if len(request.prompt) > self.max_position * MAX_PROMPT_CHARS_PER_TOKEN:
             raise StatusError(grpc.StatusCode.OUT_OF_RANGE,
@@ -84,19 +94,18 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 grpc.StatusCode.OUT_OF_RANGE,
                 f"the prompt has {len(prompt_ids)} tokens; the model's context is {self.max_position}: shorten it",
             )
-        if len(prompt_ids) + request.max_new_tokens > self.max_position:
+        max_new_tokens = request.max_new_tokens or self.max_position - len(prompt_ids)
+        if len(prompt_ids) + max_new_tokens > self.max_position:
             raise StatusError(
                 grpc.StatusCode.OUT_OF_RANGE,
-                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({request.max_new_tokens}) exceeds the "
+                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
                 f"model's context of {self.max_position}; ask for at most "
                 f"{self.max_position - len(prompt_ids)} new tokens",
             )
-        remaining = context.time_remaining()
-        deadline = asyncio.get_running_loop().time() + remaining if remaining is not None else None
         return GenerationRequest(
             request_id=request.request_id or uuid.uuid4().hex[:16],
             prompt_ids=prompt_ids,
-            max_new_tokens=request.max_new_tokens,
+            max_new_tokens=max_new_tokens,
             temperature=request.temperature,
             top_k=request.top_k,
             top_p=request.top_p or 1.0,
@@ -104,7 +113,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
             stop=tuple(request.stop),
             priority=request.priority,
             deadline=deadline,
-            caller=CALLER.get(),
+            caller=caller,
         )
 
     async def _stream(self, req: GenerationRequest) -> AsyncIterator[router_pb2.GenerateResponse]:
@@ -162,7 +171,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
 
     async def Generate(self, request, context):
         # Closed with the call, not when collected: _stream gives its admission slot back then.
-        req = await self.to_generation_request(request, context)
+        req = await self.to_generation_request(request, call_deadline(context), CALLER.get())
         async with contextlib.aclosing(self._stream(req)) as responses:
             async for response in responses:
                 yield response
@@ -178,7 +187,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
 
         async def run(index: int, sub: router_pb2.GenerateRequest) -> None:
             try:
-                req = await self.to_generation_request(sub, context)
+                req = await self.to_generation_request(sub, call_deadline(context), CALLER.get())
                 async with contextlib.aclosing(self._stream(req)) as responses:
                     async for response in responses:
                         await out.put(router_pb2.GenerateBatchResponse(index=index, response=response))
