@@ -4,6 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 MODEL ?=
 STAGES ?= 2
+HTTP_PORT ?= 8000
 
 .PHONY: install run test lint protos bench clean constraints wheel-check
 
@@ -38,7 +39,7 @@ wheel-check: install
 	PYTHON=$(PYTHON) scripts/dev/check_wheel.sh
 
 run: install
-	$(BIN)/stagemesh up --stages $(STAGES) $(if $(MODEL),--model $(MODEL),)
+	$(BIN)/stagemesh up --stages $(STAGES) $(if $(MODEL),--model $(MODEL),) $(if $(HTTP_PORT),--http-port $(HTTP_PORT),)
 
 bench: install
 	$(BIN)/python scripts/bench.py --quick

@@ -44,6 +44,8 @@ class UpConfig:
     """Chains."""
     port: int = 50051
     """The router's port (0 picks a free port)."""
+    http_port: int | None = None
+    """The router's --http-port: serve the OpenAI-compatible HTTP API on this port too (default: none)."""
     dtype: DtypeChoice = "auto"
     """The stages' dtype (auto: the checkpoint's, a float32 checkpoint in bfloat16 on CUDA); the scheduler sizes
     weights as the stages announce them."""
@@ -84,6 +86,8 @@ class UpConfig:
             raise refused(self, "replicas", "must be >= 1 chain")
         if not 0 <= self.port <= 65535:
             raise refused(self, "port", PORT_RULE)
+        if self.http_port is not None and not 0 <= self.http_port <= 65535:
+            raise refused(self, "http_port", "must be 0..65535 (0 or left out: no HTTP API)")
         if self.threads is not None and not self.threads >= 1:
             raise refused(self, "threads", "must be >= 1 (leave it out to share the cores out)")
         if not self.drain_timeout_s >= 0:
@@ -236,6 +240,7 @@ def run_up(config: UpConfig) -> None:
     log_dir = Path(config.log_dir) if config.log_dir else Path(tempfile.mkdtemp(prefix="stagemesh-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     drain = ["--drain-timeout-s", str(config.drain_timeout_s)]
+    http = ["--http-port", str(config.http_port)] if config.http_port else []
     budget = [] if config.max_batch_tokens is None else ["--max-batch-tokens", str(config.max_batch_tokens)]
     signal.signal(signal.SIGTERM, _interrupt)  # while starting, SIGTERM is Ctrl-C: what started is stopped
     load_tls(config.tls)  # a wrong directory stops here, not in every process
@@ -244,7 +249,7 @@ def run_up(config: UpConfig) -> None:
                                     prefill_chunk=config.prefill_chunk, threads=config.threads, log_dir=log_dir,
                                     tls=config.tls, insecure=config.plaintext.insecure,
                                     extra_stage_args=[*budget, *drain],
-                                    extra_router_args=drain)
+                                    extra_router_args=[*drain, *http])
     policy = RestartPolicy(config.restart_backoff_s, config.restart_backoff_max_s, config.restart_reset_s)
     supervisor = Supervisor(mesh, policy, info={"model": model, "router": router.address, "stages": config.stages,
                                                 "replicas": config.replicas, "drain_timeout_s": config.drain_timeout_s})
@@ -258,7 +263,7 @@ def run_up(config: UpConfig) -> None:
     try:
         chains = wait_for_chains(router.address, config.replicas, tls=config.tls)
         supervisor.write_state()
-        _print_welcome(model, mesh, router, chains, supervisor, config.tls)
+        _print_welcome(model, mesh, router, chains, supervisor, config.tls, config.http_port)
         signal.signal(signal.SIGINT, on_signal)
         signal.signal(signal.SIGTERM, on_signal)
         supervisor.run(stop)
@@ -275,7 +280,7 @@ def run_up(config: UpConfig) -> None:
 
 
 def _print_welcome(model: str, mesh: LocalMesh, router: Process, chains: list, supervisor: Supervisor,
-                   tls: str | None) -> None:
+                   tls: str | None, http_port: int | None = None) -> None:
     print(f"\nstagemesh is up for {model}; logs in {mesh.log_dir}")
     for proc in mesh.processes:
         print(f"  {proc.name:<12} {proc.address:<22} pid {proc.pid}")
@@ -291,7 +296,7 @@ Call it:
   {grpcurl} {router.address} list
   {grpcurl} -d '{{"prompt": "Once upon a time", "max_new_tokens": 32}}' \\
       {router.address} stagemesh.v1.Router/Generate
-  python scripts/generate_client.py --router {router.address} "Once upon a time"
+  python scripts/generate_client.py --router {router.address} "Once upon a time"{_http_example(router, tls, http_port)}
 
 A process that exits is started again (a stage rejoins through the registry); {supervisor.state_path} says
 who runs where. Restart every stage, one by one, without a failed request:
@@ -299,6 +304,16 @@ who runs where. Restart every stage, one by one, without a failed request:
 
 Ctrl-C (or SIGTERM) stops everything: the router drains first, then the stages, then the scheduler.""",
           flush=True)
+
+
+def _http_example(router: Process, tls: str | None, http_port: int | None) -> str:
+    """The welcome's lines for the OpenAI-compatible HTTP front, when it is on."""
+    if not http_port:
+        return ""
+    host = router.address.rpartition(":")[0]
+    scheme, ca = ("https", f" --cacert {Path(tls) / 'ca.pem'}") if tls else ("http", "")
+    return (f"\n  curl{ca} {scheme}://{host}:{http_port}/v1/completions -H 'content-type: application/json' \\\n"
+            f"      -d '{{\"prompt\": \"Once upon a time\", \"max_tokens\": 32}}'")
 
 
 def ensure_tiny_model(path: Path) -> Path:

@@ -105,6 +105,16 @@ class Tls:
         """The CA on disk, for clients that take a path (requests, for Consul)."""
         return self.directory / (CA_FILE if (self.directory / CA_FILE).is_file() else SECRET_FILES[0])
 
+    @property
+    def cert_path(self) -> Path:
+        """mesh.pem on disk (tls.crt in a Kubernetes secret), for servers that take a path (the HTTP front)."""
+        return self.directory / (CERT_FILE if (self.directory / CA_FILE).is_file() else SECRET_FILES[1])
+
+    @property
+    def key_path(self) -> Path:
+        """mesh-key.pem on disk (tls.key in a Kubernetes secret)."""
+        return self.directory / (KEY_FILE if (self.directory / CA_FILE).is_file() else SECRET_FILES[2])
+
     def server_credentials(self) -> grpc.ServerCredentials:
         """Serves with the mesh certificate and refuses any client without a certificate from the CA."""
         return server_credentials(self.cert, self.key, client_ca=self.ca)

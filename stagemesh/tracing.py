@@ -6,6 +6,8 @@ without it tracing stays off and --otlp-endpoint is refused by name."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 try:  # an optional dependency (the otel extra)
@@ -80,3 +82,22 @@ def server_span(name: str, carrier: dict) -> trace.Span | None:
         return None
     parent = propagate.extract(dict(carrier), context=otel_context.Context())
     return _provider.get_tracer("stagemesh").start_span(name, context=parent, kind=trace.SpanKind.SERVER)
+
+
+def http_server_span(name: str, headers: Mapping[str, str]) -> trace.Span | None:
+    """A span of a call to the router's HTTP front ("POST /v1/completions"), child of the caller's `traceparent`
+    header when it sent one, else a trace's root. None when tracing is off. The caller ends it (span.end())."""
+    if _provider is None:
+        return None
+    parent = propagate.extract({k: v for k, v in headers.items()}, context=otel_context.Context())
+    return _provider.get_tracer("stagemesh").start_span(name, context=parent, kind=trace.SpanKind.SERVER)
+
+
+@contextlib.contextmanager
+def current(span: trace.Span | None) -> Iterator[None]:
+    """Makes span the current one inside the block (the calls made there are its children); nothing for None."""
+    if span is None:
+        yield
+        return
+    with trace.use_span(span, end_on_exit=False):
+        yield

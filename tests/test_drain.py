@@ -4,12 +4,14 @@ finished: well before its drain timeout, which would have cut them."""
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
 import time
 import urllib.request
 
 import grpc
+import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
@@ -53,6 +55,24 @@ class Stream(threading.Thread):
             self.error = exc
 
 
+class HttpStream(Stream):
+    """The same greedy request through the router's OpenAI-compatible HTTP front, streamed."""
+
+    def run(self) -> None:
+        body = {"prompt": self.prompt, "max_tokens": TOKENS, "temperature": 0, "stream": True,
+                "return_token_ids": True}
+        try:
+            with httpx.stream("POST", f"{self.address}/v1/completions", json=body, timeout=DRAIN_S + MARGIN_S,
+                              headers={"x-request-id": self.request_id}) as response:
+                for line in response.iter_lines():
+                    if line == "data: [DONE]":
+                        self.finished = True
+                    elif line.startswith("data: "):
+                        self.tokens.extend(t for c in json.loads(line[6:])["choices"] for t in c["token_ids"])
+        except httpx.HTTPError as exc:
+            self.error = exc
+
+
 def open_sessions(address: str) -> int:
     with grpc.insecure_channel(address) as channel:
         return stage_pb2_grpc.StageStub(channel).Info(stage_pb2.InfoRequest(), timeout=10).open_sessions
@@ -92,11 +112,13 @@ def expected(hf_models):
 @pytest.fixture(scope="module")
 def mesh(tiny_model, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("drain")
-    [metrics_port] = free_ports(1)
+    metrics_port, http_port = free_ports(2)
     mesh, router = start_local_mesh(
         str(tiny_model), stages=2, replicas=2, router_port=0, registry="local", threads=1, log_dir=log_dir,
         extra_stage_args=["--drain-timeout-s", str(DRAIN_S), "--batch-window-ms", str(PACE_MS)],
-        extra_router_args=["--drain-timeout-s", str(DRAIN_S), "--metrics-port", str(metrics_port)])
+        extra_router_args=["--drain-timeout-s", str(DRAIN_S), "--metrics-port", str(metrics_port),
+                           "--http-port", str(http_port)])
+    router.http_url = f"http://127.0.0.1:{http_port}"
     try:
         assert len(wait_for_chains(router.address, 2, timeout=120)) == 2, "the mesh did not come up with 2 chains"
         yield mesh, router, metrics_port
@@ -104,9 +126,11 @@ def mesh(tiny_model, tmp_path_factory):
         mesh.stop()
 
 
-def start_streams(router: str, tag: str) -> list[Stream]:
-    """STREAMS greedy streams, returned once each has a couple of tokens (all are mid-flight then)."""
-    streams = [Stream(router, p, f"{tag}-{i}") for i, p in enumerate(PROMPTS)]
+def start_streams(router: str, tag: str, http: str | None = None) -> list[Stream]:
+    """STREAMS greedy streams, returned once each has a couple of tokens (all are mid-flight then); with http (the
+    router's HTTP front), every other one through it."""
+    streams = [HttpStream(http, p, f"{tag}-{i}") if http and i % 2 else Stream(router, p, f"{tag}-{i}")
+               for i, p in enumerate(PROMPTS)]
     for s in streams:
         s.start()
     deadline = time.monotonic() + 120
@@ -170,7 +194,7 @@ def test_sigterm_drains_a_stage_its_streams_finish_exactly_and_it_exits(mesh, ex
 
 def test_sigterm_drains_the_router_its_streams_finish_exactly_and_it_exits(mesh, expected):
     mesh, router, _ = mesh
-    streams = start_streams(router.address, "router-drain")
+    streams = start_streams(router.address, "router-drain", http=router.http_url)  # both front doors drain
     t0 = time.monotonic()
     router.popen.send_signal(signal.SIGTERM)
     assert not [s.request_id for s in streams if s.finished], "every stream is mid-flight at the SIGTERM"

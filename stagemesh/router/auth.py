@@ -8,6 +8,8 @@ A call must carry the metadata `authorization: Bearer <token>`, else UNAUTHENTIC
 the token's max_priority is PERMISSION_DENIED; more calls than its rate (a token bucket per caller,
 burst = rate) are RESOURCE_EXHAUSTED. The other limits (CallerLimits) are the admission queue's to hold
 (router/priority_queue.py). Health and reflection stay open (probes and grpcurl need them).
+The HTTP front (router/http_api.py) holds its calls to the same, through check_call, with the `authorization`
+header.
 
 Only SHA-256 digests of the tokens are kept, compared with hmac.compare_digest against every entry, so
 the secrets are in no object a log line, a metric or ListChains could show; callers are named by
@@ -271,21 +273,30 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
 
     async def admit(self, method: str, grant: Grant | StatusError, request: Any,
                     context: grpc.aio.ServicerContext) -> None:
-        """Lets the call through with CALLER set, or aborts it (always raises then); grant is the
+        """Lets the call through with CALLER and GRANT set, or aborts it (always raises then); grant is the
         authentication's outcome (its refusal, for a call without a valid token)."""
         try:
-            if isinstance(grant, StatusError):
-                raise grant
-            self.auth.admit(grant, request)
+            check_call(self.auth, method, grant, request, context.peer())
         except StatusError as exc:
-            caller = "" if isinstance(grant, StatusError) else grant.name
-            metrics.AUTH_REFUSED.labels(exc.code.name, caller).inc()
-            log.info(f"refused {method}: {exc.code.name}: {exc.message}", extra={"code": exc.code.name,
-                                                                                  "caller": caller,
-                                                                                  "peer": context.peer()})
             await context.abort(exc.code, exc.message)
         CALLER.set(grant.name)
         GRANT.set(grant)
+
+
+def check_call(auth: TokenAuth, method: str, grant: Grant | StatusError, request: Any, peer: str) -> Grant:
+    """Both front doors' check of a call (gRPC's interceptor, the HTTP front): the authentication's outcome (its
+    refusal raised as it is), then TokenAuth.admit; a refusal is counted (AUTH_REFUSED) and logged with the caller's
+    name when its token was valid, then raised as StatusError."""
+    try:
+        if isinstance(grant, StatusError):
+            raise grant
+        return auth.admit(grant, request)
+    except StatusError as exc:
+        caller = "" if isinstance(grant, StatusError) else grant.name
+        metrics.AUTH_REFUSED.labels(exc.code.name, caller).inc()
+        log.info(f"refused {method}: {exc.code.name}: {exc.message}", extra={"code": exc.code.name,
+                                                                              "caller": caller, "peer": peer})
+        raise
 
 
 def _guarded(handler: grpc.RpcMethodHandler, interceptor: AuthInterceptor, method: str,

@@ -40,6 +40,12 @@ FINISH = {
 }
 
 
+def call_deadline(context: grpc.aio.ServicerContext) -> float | None:
+    """The event-loop time by which a gRPC call must end (None: the caller set no deadline)."""
+    remaining = context.time_remaining()
+    return asyncio.get_running_loop().time() + remaining if remaining is not None else None
+
+
 class RouterService(router_pb2_grpc.RouterServicer):
     def __init__(self, chains: ChainSet, tokenizer, model_config, eos_ids: frozenset[int],
                  config: GenerationConfig, model_name: str, admission: PriorityAdmission):
@@ -52,8 +58,12 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self.config = config
         self.model_name = model_name
 
-    async def to_generation_request(self, request: router_pb2.GenerateRequest, context) -> GenerationRequest:
-        """Checks everything a stage would refuse, and the bounds of request_limits, before any work."""
+    async def to_generation_request(self, request: router_pb2.GenerateRequest, deadline: float | None,
+                                    caller: str = "", *, fill_context: bool = False) -> GenerationRequest:
+        """Checks everything a stage would refuse, and the bounds of request_limits, before any work. deadline: the
+        event-loop time by which the call must end (None: none); caller: its token's name (router.auth).
+        fill_context: max_new_tokens 0 asks for the context left after the prompt (the HTTP front, max_tokens
+        left out); gRPC callers must ask for at least 1."""
         bad = grpc.StatusCode.INVALID_ARGUMENT
         if request.request_id and (problem := request_id_problem(request.request_id)):
             raise StatusError(bad, problem)
@@ -68,12 +78,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
                              stop_token_ids=list(request.stop_token_ids))
         except InvalidSampling as exc:
             raise StatusError(bad, str(exc)) from None
-        if request.min_tokens < 0 or request.min_tokens > max(request.max_new_tokens, 0):
-            raise StatusError(bad, f"min_tokens {request.min_tokens}: use 0..max_new_tokens "
-                                   f"({request.max_new_tokens})")
         if len(request.stop) > MAX_STOP_STRINGS or any(not 0 < len(s) <= MAX_STOP_CHARS for s in request.stop):
             raise StatusError(bad, f"stop: at most {MAX_STOP_STRINGS} strings of 1..{MAX_STOP_CHARS} characters")
-        if request.max_new_tokens <= 0:
+        if request.max_new_tokens < 0 or request.max_new_tokens == 0 and not fill_context:
             raise StatusError(bad, "max_new_tokens must be at least 1")
         if len(request.prompt) > self.max_position * MAX_PROMPT_CHARS_PER_TOKEN:
             raise StatusError(grpc.StatusCode.OUT_OF_RANGE,
@@ -97,19 +104,22 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 grpc.StatusCode.OUT_OF_RANGE,
                 f"the prompt has {len(prompt_ids)} tokens; the model's context is {self.max_position}: shorten it",
             )
-        if len(prompt_ids) + request.max_new_tokens > self.max_position:
+        max_new_tokens = request.max_new_tokens or self.max_position - len(prompt_ids)
+        if not request.max_new_tokens and (grant := GRANT.get()) and grant.limits.max_new_tokens is not None:
+            max_new_tokens = min(max_new_tokens, grant.limits.max_new_tokens)  # "the most I may ask for"
+        if not 0 <= request.min_tokens <= max_new_tokens:
+            raise StatusError(bad, f"min_tokens {request.min_tokens}: use 0..max_new_tokens ({max_new_tokens})")
+        if len(prompt_ids) + max_new_tokens > self.max_position:
             raise StatusError(
                 grpc.StatusCode.OUT_OF_RANGE,
-                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({request.max_new_tokens}) exceeds the "
+                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
                 f"model's context of {self.max_position}; ask for at most "
                 f"{self.max_position - len(prompt_ids)} new tokens",
             )
-        remaining = context.time_remaining()
-        deadline = asyncio.get_running_loop().time() + remaining if remaining is not None else None
         return GenerationRequest(
             request_id=request.request_id or uuid.uuid4().hex[:16],
             prompt_ids=prompt_ids,
-            max_new_tokens=request.max_new_tokens,
+            max_new_tokens=max_new_tokens,
             temperature=request.temperature,
             top_k=request.top_k,
             top_p=request.top_p or 1.0,
@@ -128,7 +138,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
             min_tokens=request.min_tokens,
             priority=request.priority,
             deadline=deadline,
-            caller=CALLER.get(),
+            caller=caller,
         )
 
     async def _stream(self, req: GenerationRequest) -> AsyncIterator[router_pb2.GenerateResponse]:
@@ -218,7 +228,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
 
     async def Generate(self, request, context):
         # Closed with the call, not when collected: _stream gives its admission slot back then.
-        req = await self.to_generation_request(request, context)
+        req = await self.to_generation_request(request, call_deadline(context), CALLER.get())
         async with contextlib.aclosing(self._stream(req)) as responses:
             async for response in responses:
                 yield response
@@ -234,7 +244,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
 
         async def run(index: int, sub: router_pb2.GenerateRequest) -> None:
             try:
-                req = await self.to_generation_request(sub, context)
+                req = await self.to_generation_request(sub, call_deadline(context), CALLER.get())
                 async with contextlib.aclosing(self._stream(req)) as responses:
                     async for response in responses:
                         await out.put(router_pb2.GenerateBatchResponse(index=index, response=response))

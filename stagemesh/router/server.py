@@ -107,6 +107,9 @@ class RouterConfig:
     tracing: TracingConfig = field(default_factory=TracingConfig)
     metrics_port: int | None = None
     """Serve Prometheus metrics on this port (default: none)."""
+    http_port: int | None = None
+    """Serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /health) on this
+    port too, on --host, with the gRPC port's TLS and tokens (default: none)."""
     drain_timeout_s: float = 30.0
     """On SIGTERM: NOT_SERVING and no new calls at once, and this long for the streams it carries to
     finish before the process exits."""
@@ -138,6 +141,8 @@ class RouterConfig:
             raise refused(self, "port", PORT_RULE)
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise refused(self, "metrics_port", "must be 0..65535 (0 or left out: no metrics)")
+        if self.http_port is not None and not 0 <= self.http_port <= 65535:
+            raise refused(self, "http_port", "must be 0..65535 (0 or left out: no HTTP API)")
         if not self.drain_timeout_s >= 0:
             raise refused(self, "drain_timeout_s", "must be >= 0 seconds (0: cut open streams at once)")
         if not self.long_prompt_tokens >= 0:
@@ -216,12 +221,29 @@ class RouterServer:
         )
         router_pb2_grpc.add_RouterServicer_to_server(self.service, self.server)
         self.port = grpc_server.bind(self.server, config.host, config.port, public_credentials(config, self.tls))
+        self.stopping = False
+        self.http = self._http_front() if config.http_port else None
         self._tasks: list[asyncio.Task] = []
         self.registry = None
 
     @property
     def address(self) -> str:
         return f"{self.config.host}:{self.port}"
+
+    def _http_front(self):
+        """The OpenAI-compatible HTTP front over this router's RouterService (router/http_api.py); imported only
+        when asked for."""
+        from stagemesh.router.http_api import HttpFront
+        from stagemesh.router.http_server import HttpServer, tls_files
+
+        config = self.config
+        front = HttpFront(self.service, config.model_name, self.auth, stopping=lambda: self.stopping)
+        files = None
+        if config.public_cert and config.public_key:
+            files = tls_files(config.public_cert, config.public_key, config.client_ca)
+        elif self.tls is not None:
+            files = tls_files(str(self.tls.cert_path), str(self.tls.key_path), config.client_ca)
+        return HttpServer(front.app, config.host, config.http_port, files)
 
     def _on_chains_change(self, serving: bool) -> None:
         # SERVING only while at least one whole chain can serve.
@@ -233,6 +255,8 @@ class RouterServer:
         # NOT_SERVING (health's own default for "" is SERVING) until a first check finds a whole chain.
         await grpc_server.set_serving(self.health, [SERVICE_NAME], False)
         await self.server.start()
+        if self.http is not None:
+            await self.http.start()
         metrics.announce("router", self.config.model_name)
         await self.chains.refresh()
         loop = asyncio.get_running_loop()
@@ -241,7 +265,8 @@ class RouterServer:
             self.registry = open_registry(self.config.registry, self.tls)
             self._tasks.append(loop.create_task(follow_chains(self.registry, self.config.model_name, self.chains)))
         usable = len(self.chains.usable())
-        log.info(f"router on {self.address}: {usable} of {len(self.chains.chains)} chains usable")
+        http = f"; OpenAI-compatible HTTP on {self.http.url}" if self.http else ""
+        log.info(f"router on {self.address}: {usable} of {len(self.chains.chains)} chains usable{http}")
 
     def reload_tokens(self) -> bool:
         """Reads --auth-tokens again (SIGHUP); a file that does not parse keeps the tokens in force."""
@@ -257,12 +282,14 @@ class RouterServer:
         return True
 
     async def stop(self, grace: float | None = 1.0) -> None:
+        self.stopping = True  # the HTTP front's /health turns 503 and it takes no new requests
         for task in self._tasks:
             task.cancel()
         if self.registry is not None:
             await self.registry.close()
         await grpc_server.set_serving(self.health, [SERVICE_NAME], False)
-        await self.server.stop(grace)
+        # Both fronts drain at once: the streams each carries finish within grace.
+        await asyncio.gather(self.server.stop(grace), *([self.http.stop(grace)] if self.http else []))
         await self.chains.close()
 
 
@@ -277,6 +304,8 @@ async def serve(config: RouterConfig) -> None:
     gc.freeze()
     asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, server.reload_tokens)
     print(f"router ready on {server.address}", flush=True)
+    if server.http is not None:
+        print(f"router HTTP (OpenAI-compatible) on {server.http.url}", flush=True)
     await until_signalled()
     t0 = asyncio.get_running_loop().time()
     log.info(f"stopping: NOT_SERVING, no new calls; draining the streams in flight for up to "
