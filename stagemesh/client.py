@@ -35,6 +35,18 @@ class Piece:
 
 
 @dataclass(frozen=True)
+class ModelInfo:
+    """What the router serves (GetModelInfo)."""
+
+    model: str
+    context_length: int
+    vocab_size: int
+    fingerprint: str
+    chat_template: bool
+    eos_token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class ChainInfo:
     chain_id: str
     healthy: bool
@@ -67,12 +79,15 @@ class Client:
 
     def generate(self, prompt: str | Sequence[int], *, max_new_tokens: int = 64, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int = 0, stop: Sequence[str] = (), priority: int = 0,
-                 request_id: str = "", timeout_s: float | None = None) -> Iterator[Piece]:
+                 request_id: str = "", ignore_eos: bool = False, min_tokens: int = 0,
+                 timeout_s: float | None = None) -> Iterator[Piece]:
         """Streams the generation of `prompt` (text, or token ids) piece by piece; the deadline covers the whole
-        stream. Leaving the loop early cancels the request (its sessions close on every stage)."""
+        stream. Leaving the loop early cancels the request (its sessions close on every stage). ignore_eos and
+        min_tokens let the model's end-of-sequence token end nothing (before min_tokens new tokens)."""
         request = router_pb2.GenerateRequest(
             max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-            stop=list(stop), priority=priority, request_id=request_id)
+            stop=list(stop), priority=priority, request_id=request_id, ignore_eos=ignore_eos,
+            min_tokens=min_tokens)
         if isinstance(prompt, str):
             request.prompt = prompt
         else:
@@ -97,6 +112,13 @@ class Client:
         """The router's chains and whether each is healthy now."""
         listed = self.stub.ListChains(router_pb2.ListChainsRequest(), timeout=self.timeout_s, metadata=self.metadata)
         return [ChainInfo(c.chain_id, c.healthy, tuple(s.address for s in c.stages)) for c in listed.chains]
+
+    def model_info(self) -> ModelInfo:
+        """What the router serves: its model's name, context, vocabulary size and end-of-sequence ids."""
+        info = self.stub.GetModelInfo(router_pb2.GetModelInfoRequest(), timeout=self.timeout_s,
+                                      metadata=self.metadata)
+        return ModelInfo(info.model, info.context_length, info.vocab_size, info.fingerprint, info.chat_template,
+                         tuple(info.eos_token_ids))
 
     def close(self) -> None:
         self.channel.close()
