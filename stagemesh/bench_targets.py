@@ -140,11 +140,16 @@ class HttpTarget:
             timeout=timeout_s, limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
 
     async def describe(self) -> ModelInfo | None:
-        """None (the OpenAI API tells no vocabulary size); learns the model's name from GET /v1/models where no
-        --model was given."""
+        """None (the OpenAI API tells no vocabulary size), once GET /v1/models shows the server reachable and the
+        token accepted; learns the model's name there where no --model was given."""
+        try:
+            response = await self.http.get("/v1/models")
+        except httpx.HTTPError as exc:
+            raise ConnectionError(f"GET /v1/models: {exc!r}") from None
+        if response.status_code in (401, 403):
+            raise ConnectionError(f"GET /v1/models: HTTP {response.status_code}: {response.text[:300]}")
         if not self.model:
             try:
-                response = await self.http.get("/v1/models")
                 response.raise_for_status()
                 self.model = response.json()["data"][0]["id"]
             except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:

@@ -122,6 +122,12 @@ def test_bench_needs_no_torch():
     assert done.stdout.strip() == "[]"
 
 
+def test_a_router_it_cannot_reach_stops_it_before_any_load():
+    for target in ("grpc://127.0.0.1:1", "http://127.0.0.1:1"):  # nothing listens on port 1
+        done = bench("--target", target, "--num-requests", "1")
+        assert done.returncode == 2 and done.stderr.startswith("stagemesh bench: "), (target, done.stderr)
+
+
 # ---- gRPC: a real mesh --------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
