@@ -210,7 +210,7 @@ async def measure(config: BenchConfig) -> tuple[dict, list[Outcome]]:
         info = await target.describe()
         workload = Workload(config.input_len, config.output_len, config.seed, dataset=config.dataset,
                             vocab_size=info.vocab_size if info else 0, eos_token_ids=info.eos_token_ids if info else ())
-        if not info and not config.dataset:
+        if workload.prompt_unit == "words":
             log.info("prompts are English words: the target tells no vocabulary size (gRPC GetModelInfo)")
         await warm_up(config, target, workload)
         with tqdm(total=config.num_requests or None, unit="req", file=sys.stderr, disable=not config.progress,
@@ -224,7 +224,7 @@ async def measure(config: BenchConfig) -> tuple[dict, list[Outcome]]:
     finally:
         await target.close()
     return {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "client_host": platform.node(),
-            "settings": config.settings(), "model": info.model if info else config.model or None,
+            "settings": config.settings(), "model": info.model if info else None,
             "prompt_unit": workload.prompt_unit, **aggregate(run.outcomes, duration_s, config.slo),
             "requests": [{**dataclasses.asdict(o), "tpot_s": o.tpot_s} for o in run.outcomes]}, run.outcomes
 

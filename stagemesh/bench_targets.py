@@ -139,9 +139,10 @@ class HttpTarget:
             base_url=base_url, headers={"Authorization": f"Bearer {token}"} if token else {}, verify=context,
             timeout=timeout_s, limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
 
-    async def describe(self) -> ModelInfo | None:
-        """None (the OpenAI API tells no vocabulary size), once GET /v1/models shows the server reachable and the
-        token accepted; learns the model's name there where no --model was given."""
+    async def describe(self) -> ModelInfo:
+        """The model's name only (the OpenAI API tells no vocabulary size: vocab_size 0), once GET /v1/models shows
+        the server reachable and the token accepted; the name is the first listed there where no --model was
+        given."""
         try:
             response = await self.http.get("/v1/models")
         except httpx.HTTPError as exc:
@@ -154,7 +155,7 @@ class HttpTarget:
                 self.model = response.json()["data"][0]["id"]
             except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
                 raise ConnectionError(f"GET /v1/models gave no model ({exc!r}): give --model") from None
-        return None
+        return ModelInfo(self.model, 0, 0, "", False, ())
 
     async def send(self, request: BenchRequest) -> Outcome:
         body = {"model": self.model, "prompt": request.prompt if isinstance(request.prompt, str) else

@@ -253,7 +253,7 @@ async def test_bench_sends_openais_streamed_completion_and_counts_refusals(tmp_p
         report, _ = await measure(BenchConfig(target=url + "/v1", dataset=str(prompts), num_requests=4, warmup=0,
                                               concurrency=1, progress=False))
     assert (report["completed"], report["failed"], report["errors"]) == (2, 2, {"HTTP 429": 2})
-    assert report["total_input_tokens"] == 6  # from the server's usage
+    assert report["total_input_tokens"] == 6 and report["model"] == "stand-in"  # from its usage, its /v1/models
     first = received[0]
     assert first == {"authorization": "Bearer secret-1", "model": "stand-in", "prompt": [5, 6], "max_tokens": 2,
                      "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
