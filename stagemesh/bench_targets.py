@@ -174,8 +174,8 @@ class HttpTarget:
                     if data == "[DONE]":
                         break
                     chunk = json.loads(data) if data else {}
-                    if "error" in chunk:
-                        return timer.outcome(f"HTTP {chunk['error'].get('code') or 'stream error'}")
+                    if error := chunk.get("error"):  # OpenAI's error object, mid-stream
+                        return timer.outcome(f"HTTP {isinstance(error, dict) and error.get('code') or 'stream error'}")
                     usage = chunk.get("usage") or usage
                     choice = (chunk.get("choices") or [None])[0]
                     if choice and (choice.get("text") or choice.get("finish_reason") is None):

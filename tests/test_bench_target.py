@@ -191,6 +191,11 @@ def openai_stand_in(received: list[dict]) -> FastAPI:
             return f"data: {json.dumps(data)}\n\n"
 
         async def events():
+            if body["prompt"] == "fail midway":
+                yield chunk(" t", None)
+                error = {"message": "lost a stage", "type": "server_error", "param": None, "code": 503}
+                yield f"data: {json.dumps({'error': error})}\n\n"
+                return
             for i in range(n):
                 await asyncio.sleep(0.002)
                 yield chunk(" t", "length" if i == n - 1 else None)
@@ -244,21 +249,23 @@ async def test_bench_over_http_counts_every_request_and_token(http_router, tmp_p
 async def test_bench_sends_openais_streamed_completion_and_counts_refusals(tmp_path, monkeypatch):
     """What goes on the wire, seen by the stand-in: the model /v1/models named, the prompt as text or token ids,
     streaming with usage, the caller's token ($STAGEMESH_TOKEN, as stagemesh.client reads it), ignore_eos and
-    min_tokens; a 429 is counted by its status."""
+    min_tokens; a 429, and an error object mid-stream, are counted by their status."""
     received: list[dict] = []
     async with stand_in(received) as url:
         prompts = tmp_path / "prompts.jsonl"
-        prompts.write_text('{"prompt": [5, 6], "max_tokens": 2}\n{"prompt": "refuse me", "max_tokens": 2}\n')
+        prompts.write_text('{"prompt": [5, 6], "max_tokens": 2}\n{"prompt": "refuse me", "max_tokens": 2}\n'
+                           '{"prompt": "fail midway", "max_tokens": 2}\n')
         monkeypatch.setenv("STAGEMESH_TOKEN", "secret-1")
-        report, _ = await measure(BenchConfig(target=url + "/v1", dataset=str(prompts), num_requests=4, warmup=0,
+        report, _ = await measure(BenchConfig(target=url + "/v1", dataset=str(prompts), num_requests=6, warmup=0,
                                               concurrency=1, progress=False))
-    assert (report["completed"], report["failed"], report["errors"]) == (2, 2, {"HTTP 429": 2})
+    assert (report["completed"], report["failed"]) == (2, 4)
+    assert report["errors"] == {"HTTP 429": 2, "HTTP 503": 2}  # refused at once, and failed mid-stream
     assert report["total_input_tokens"] == 6 and report["model"] == "stand-in"  # from its usage, its /v1/models
     first = received[0]
     assert first == {"authorization": "Bearer secret-1", "model": "stand-in", "prompt": [5, 6], "max_tokens": 2,
                      "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
                      "ignore_eos": True, "min_tokens": 2}
-    assert received[1]["prompt"] == "refuse me" and len(received) == 4
+    assert received[1]["prompt"] == "refuse me" and len(received) == 6
 
 
 async def test_poisson_arrivals_send_exactly_the_requests_bounded(tmp_path):
