@@ -20,6 +20,7 @@ from stagemesh import (
     launcher,
     tls,
 )
+from stagemesh.bench import BenchConfig, run_bench
 from stagemesh.certs import CertsConfig, run_certs
 from stagemesh.config_flags import add_flags, defaults_from, deprecated_spellings, from_args
 from stagemesh.launcher import UpConfig
@@ -128,6 +129,8 @@ COMMANDS = {
     "certs": Command(CertsConfig, run_certs, "make a CA and the mesh certificate for --tls"),
     "kernels": Command(KernelsConfig, run_kernels, "build the CPU kernels now (after install, or in an image "
                        "build), so that no stage's first start pays for it"),
+    "bench": Command(BenchConfig, run_bench, "load a running router (gRPC or HTTP) and report TTFT, time per "
+                     "output token, latencies, throughput and goodput"),
 }
 
 

@@ -43,6 +43,7 @@ MINIMAL = {
     "roll": ["--mesh", "d"],
     "certs": ["d"],
     "kernels": [],
+    "bench": ["--target", "grpc://127.0.0.1:1", "--num-requests", "1"],
 }
 """The fewest flags each subcommand builds a valid config from."""
 
@@ -133,7 +134,7 @@ def test_flag_defaults_are_the_dataclass_defaults(command):
     required = {"model": "m"} if command in ("stage", "router", "scheduler", "plan") else {}
     required = {"mesh": "d"} if command == "roll" else required
     extra = {"stage": {"layer_start": 0, "layer_end": 4}, "router": {"chains": ["127.0.0.1:1"]},
-             "certs": {"directory": "d"}}.get(command, {})
+             "certs": {"directory": "d"}, "bench": {"target": "grpc://127.0.0.1:1", "num_requests": 1}}.get(command, {})
     direct = cli.COMMANDS[command].config(**required, **extra)
     if command == "scheduler":
         direct = dataclasses.replace(direct, scheduler_id=parsed.scheduler_id)
