@@ -26,6 +26,7 @@ from stagemesh.bench_targets import Outcome
 from stagemesh.bench_workload import LengthDist, Workload, poisson_gaps
 from stagemesh.config_flags import from_args
 from tests.conftest import splits, start_mesh
+from tests.harness.fault_mesh import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN_S = 240
@@ -132,7 +133,7 @@ def test_a_router_it_cannot_reach_stops_it_before_any_load():
 
 @pytest.fixture(scope="module")
 async def mesh(tiny_model):
-    mesh = await start_mesh(tiny_model, [splits(4, 4)])
+    mesh = await start_mesh(tiny_model, [splits(4, 4)], router_options={"http_port": free_port()})
     yield mesh
     await mesh.stop()
 
@@ -166,9 +167,10 @@ async def test_bench_counts_refused_requests_by_status(mesh, tmp_path):
 # ---- HTTP: OpenAI's wire shape ------------------------------------------------------------------------------------
 
 def openai_stand_in(received: list[dict]) -> FastAPI:
-    """A stand-in for the router's HTTP front (`stagemesh router --http-port`, being built beside this): it speaks
-    OpenAI's streamed completions exactly (completion chunks as server-sent events, usage last, `data: [DONE]`),
-    one token a chunk, and records what it was sent. Not a model: each token's text is " t"."""
+    """Any OpenAI-compatible server the bench may be pointed at (another engine's, a gateway): it speaks OpenAI's
+    streamed completions exactly (completion chunks as server-sent events, usage last, `data: [DONE]`), one token a
+    chunk, records what it was sent, and refuses or fails where told, which the router's own front (benched above)
+    cannot be made to do on cue. Not a model: each token's text is " t"."""
     app = FastAPI()
 
     @app.get("/v1/models")
@@ -226,12 +228,9 @@ async def stand_in(received: list[dict] | None = None) -> AsyncIterator[str]:
 
 
 @pytest.fixture(scope="module")
-async def http_router():
-    """The base URL of an HTTP front to bench. Today the stand-in above (the real front is on its way: then this
-    fixture starts a router with --http-port over the `mesh` fixture's stages, and the tests below stay as they
-    are)."""
-    async with stand_in() as url:
-        yield url
+def http_router(mesh) -> str:
+    """The base URL of the mesh's router's OpenAI-compatible HTTP front."""
+    return mesh.router.http.url
 
 
 async def test_bench_over_http_counts_every_request_and_token(http_router, tmp_path):
