@@ -230,6 +230,7 @@ async def measure(config: BenchConfig) -> tuple[dict, list[Outcome]]:
 
 
 def run_bench(config: BenchConfig) -> None:
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request would bury the report
     if config.plot_out:
         check_plotting()  # before the run, not after it
     report, outcomes = asyncio.run(measure(config))
