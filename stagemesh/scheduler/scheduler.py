@@ -310,7 +310,10 @@ class Scheduler:
             except ValueError as exc:
                 self._report(f"ignoring registration {s.record.service_id}: {exc}")
         previous = self.plan or placement.serving_plan(self.footprint, hosts, self._found)
-        new_plan = placement.plan(self.footprint, hosts, self.config.placement, previous=previous)
+        # Off the event loop: planning a fleet from scratch is seconds of CPU (500 stages: 3 s here), and the lock's
+        # renewals and the registry's watches must go on meanwhile.
+        new_plan = await asyncio.to_thread(placement.plan, self.footprint, hosts, self.config.placement,
+                                           previous=previous)
         advice = tp_advice.advise(self.footprint, self.model_args, self.config.placement, hosts, new_plan)
         new_plan.explanation += "".join("\n" + line for line in advice)
         if self.plan is None or new_plan.assignments() != self.plan.assignments():
