@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, get_args
 
+from stagemesh.wire import PROTOCOL_VERSION
+
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2")
 ITEMSIZE = {"float64": 8, "float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "float8_e4m3fn": 1,
             "int8": 1, "uint8": 1, "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "I8": 1, "U8": 1}
@@ -307,9 +309,16 @@ FINGERPRINT_DIGEST_CHARS = 16
 
 
 def serving_fingerprint(model_digest: str, dtype: str, quantize: str) -> str:
-    """What a stage serves, as it registers it and Stage/Info reports it: "<digest[:16]>/<dtype>/<quantize>".
-    Stages of one chain must agree on all of it; a router also checks the digest against its own."""
-    return f"{model_digest[:FINGERPRINT_DIGEST_CHARS]}/{dtype}/{quantize}"
+    """What a stage serves, as it registers it and Stage/Info reports it:
+    "<digest[:16]>/<dtype>/<quantize>/p<protocol version>". Stages of one chain must agree on all of it; a router
+    also checks the digest and the protocol version against its own."""
+    return f"{model_digest[:FINGERPRINT_DIGEST_CHARS]}/{dtype}/{quantize}/p{PROTOCOL_VERSION}"
+
+
+def fingerprint_protocol(fingerprint: str) -> int:
+    """The stage protocol version part of a serving fingerprint (0: none, a build from before versions)."""
+    last = fingerprint.rsplit("/", 1)[-1]
+    return int(last[1:]) if last[:1] == "p" and last[1:].isdigit() else 0
 
 
 def fingerprint_digest(fingerprint: str) -> str:

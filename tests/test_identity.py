@@ -29,6 +29,7 @@ from stagemesh.stage_server.service.registration import Registration, Registrati
 from stagemesh.tiny_model import make_tiny_model
 from stagemesh.tls import PlaintextConfig
 from stagemesh.v1 import router_pb2, router_pb2_grpc, stage_pb2, stage_pb2_grpc
+from stagemesh.wire import PROTOCOL_VERSION
 from tests.conftest import collect, hf_greedy, splits, start_mesh
 from tests.test_kv_pool import kv_gb_for_blocks
 from tests.test_scheduler import ControlPlane, wait_for_chains
@@ -227,7 +228,7 @@ def test_the_model_digest_follows_the_content_not_the_place(tiny_model, other_bu
     copy = shutil.copytree(tiny_model, tmp_path / "retokenized")
     (copy / "tokenizer_config.json").write_text((copy / "tokenizer_config.json").read_text() + " ")
     assert model_fingerprint(copy) != digest
-    assert serving_fingerprint(digest, "float32", "none") == f"{digest[:16]}/float32/none"
+    assert serving_fingerprint(digest, "float32", "none") == f"{digest[:16]}/float32/none/p{PROTOCOL_VERSION}"
 
 
 def test_placement_plans_each_build_apart():
@@ -324,4 +325,34 @@ async def test_router_refuses_a_static_chain_that_mixes_builds_or_serves_another
         assert len(mixed) == 1 and len(other) == 1  # why, once each
     finally:
         for server in ours + theirs:
+            await server.stop(0)
+
+
+async def test_router_uses_no_chain_of_another_stage_protocol_version(tiny_model):
+    """A roll half done: stages of an older release (protocol 1, which would ignore this release's sampling fields)
+    are not chained with this release's, and a chain of them alone is not used by this release's router."""
+    current, older = [], []
+    try:
+        for servers in (current, older):
+            for a, b in splits(4, 4):
+                server = StageServer(StageConfig(model=str(tiny_model), port=0, layer_start=a, layer_end=b,
+                                                 kv_cache_gb=0.1))
+                await server.start(server.load(a, b))
+                servers.append(server)
+        for server in older:  # what an older build reports for the same checkpoint
+            server.slot.current.fingerprint = server.fingerprint.rsplit("/", 1)[0] + "/p1"
+        specs = [f"{current[0].address},{older[1].address}", f"{older[0].address},{older[1].address}",
+                 f"{current[0].address},{current[1].address}"]
+        router = RouterServer(RouterConfig(model=str(tiny_model), chains=specs, port=0, health_interval_s=0.1))
+        await router.start()
+        try:
+            await asyncio.sleep(0.6)  # several health checks
+            chains = router.chains.chains
+            assert [c.healthy for c in chains] == [False, False, True]
+            assert "mixes builds" in chains[0].problem
+            assert f"speaks stage protocol 1, not this router's {PROTOCOL_VERSION}" in chains[1].problem
+        finally:
+            await router.stop(0)
+    finally:
+        for server in current + older:
             await server.stop(0)

@@ -11,11 +11,12 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from stagemesh import metrics
-from stagemesh.checkpoint import FINGERPRINT_DIGEST_CHARS, fingerprint_digest
+from stagemesh.checkpoint import FINGERPRINT_DIGEST_CHARS, fingerprint_digest, fingerprint_protocol
 from stagemesh.discovery.chain_table import chain_kind, tp_width
 from stagemesh.router.chain_client import Chain, StageEndpoint, background
 from stagemesh.tls import Tls
 from stagemesh.v1 import stage_pb2, stage_pb2_grpc
+from stagemesh.wire import PROTOCOL_VERSION
 
 log = logging.getLogger("stagemesh.router")
 STAGE_SERVICE = stage_pb2.DESCRIPTOR.services_by_name["Stage"].full_name
@@ -290,6 +291,9 @@ class ChainSet:
         if fingerprint_digest(prints[0]) != self.model_digest:
             raise ValueError(f"chain {chain.label} serves model {fingerprint_digest(prints[0]) or '(not reported)'}, "
                              f"not this router's {self.model_digest} (the digest of its --model checkpoint)")
+        if (version := fingerprint_protocol(prints[0])) != PROTOCOL_VERSION:
+            raise ValueError(f"chain {chain.label} speaks stage protocol {version or '(none: an older build)'}, not "
+                             f"this router's {PROTOCOL_VERSION}: run its stages and this router from one release")
 
     def _check_layers(self, chain: Chain, infos: list[stage_pb2.StageInfo]) -> None:
         expect = 0
