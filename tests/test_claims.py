@@ -174,7 +174,8 @@ async def test_a_queued_requests_deadline_is_honoured_and_it_never_runs(tiny_mod
                             router_options={"admission": AdmissionConfig(slots_per_chain=1, limits=limits)})
     try:
         stage, queue, stub = mesh.stages[0][0], mesh.router.admission, mesh.router_stub
-        holder = asyncio.ensure_future(collect(stub.Generate(request([5, 6], 1500), timeout=120)))
+        holder_call = stub.Generate(request([5, 6], 1500), timeout=120)
+        holder = asyncio.ensure_future(collect(holder_call))
         await until(lambda: len(stage.sessions) == 1, 10, "the holder runs")
         opened = stage.sessions.open_attempts
         t0 = time.monotonic()
@@ -190,6 +191,7 @@ async def test_a_queued_requests_deadline_is_honoured_and_it_never_runs(tiny_mod
         assert queue.running == 1 and stage.sessions.open_attempts == opened
         assert gauge("stagemesh_router_waiting_requests") == 0  # what the metrics say, too
         assert gauge("stagemesh_router_running_requests") == 1
+        holder_call.cancel()  # the call itself: cancelling the task reading it leaves the call to the collector
         holder.cancel()
         await until(lambda: queue.running == 0, 10, "the holder's slot is given back")
         got, _, responses = await collect(stub.Generate(request([5, 8], 6), timeout=60))
@@ -207,7 +209,8 @@ async def test_a_caller_that_leaves_the_queue_is_gone_from_it_and_from_its_metri
                             router_options={"admission": AdmissionConfig(slots_per_chain=1)})
     try:
         stage, queue, stub = mesh.stages[0][0], mesh.router.admission, mesh.router_stub
-        holder = asyncio.ensure_future(collect(stub.Generate(request([5, 6], 1500), timeout=120)))
+        holder_call = stub.Generate(request([5, 6], 1500), timeout=120)
+        holder = asyncio.ensure_future(collect(holder_call))
         await until(lambda: len(stage.sessions) == 1, 10, "the holder runs")
         opened = stage.sessions.open_attempts
         calls = [stub.Generate(request([5, 7], 4, priority=p), timeout=60) for p in (1, 0, -1)]
@@ -220,6 +223,7 @@ async def test_a_caller_that_leaves_the_queue_is_gone_from_it_and_from_its_metri
         await until(lambda: not queue.waiting, 5, "the cancelled requests leave the queue")
         assert gauge("stagemesh_router_waiting_requests") == 0
         assert queue.running == 1 and not holder.done() and stage.sessions.open_attempts == opened
+        holder_call.cancel()  # the call itself: cancelling the task reading it leaves the call to the collector
         holder.cancel()
         await until(lambda: queue.running == 0, 10, "the holder's slot is given back")
         got, _, _ = await collect(stub.Generate(request([5, 8], 6), timeout=60))
