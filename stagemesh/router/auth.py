@@ -53,7 +53,6 @@ MIN_TOKEN_CHARS = 16
 """A shorter secret is guessable; `python -c "import secrets; print(secrets.token_urlsafe(32))"` makes a good one."""
 
 
-
 @dataclass(frozen=True)
 class CallerLimits:
     """One caller's share of the router, from its entry in the tokens file; None: no limit. Held by the admission

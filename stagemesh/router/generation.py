@@ -75,10 +75,15 @@ class GenerationRequest:
         """What the request's log lines carry: its id and its caller."""
         return {"request_id": self.request_id, "caller": self.caller, **more}
 
+    def end_ids(self, eos_ids: frozenset[int]) -> frozenset[int]:
+        """The tokens that end the stream (once min_tokens are out): stop_token_ids, and the model's end-of-sequence
+        tokens unless ignore_eos."""
+        return frozenset(self.stop_token_ids) | (frozenset() if self.ignore_eos else eos_ids)
+
     def sampling(self, eos_ids: frozenset[int]) -> Sampling:
         """What the last stage is told: the request's sampling and processing, and for min_tokens the end tokens
         it suppresses until the position of the min_tokens-th new token."""
-        ends = tuple(sorted(set(self.stop_token_ids) | (set() if self.ignore_eos else set(eos_ids))))
+        ends = tuple(sorted(self.end_ids(eos_ids)))
         return Sampling(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed,
                         min_p=self.min_p, presence_penalty=self.presence_penalty,
                         frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
@@ -163,7 +168,7 @@ async def generate(
     """Yields the request's pieces; a failure the caller should see leaves as StatusError."""
     sampling = req.sampling(eos_ids)
     stop_ids = frozenset(req.stop_token_ids)
-    ends = stop_ids | (frozenset() if req.ignore_eos else eos_ids)
+    ends = req.end_ids(eos_ids)
     progress = Progress(floor_s=config.step_timeout_s)
     text = IncrementalText(tokenizer, req.stop)
     generated: list[int] = []

@@ -21,6 +21,7 @@ FINISH_REASONS = {
     router_pb2.FINISH_REASON_EOS: "stop",  # OpenAI's "stop": a stop sequence or the model's own end
 }
 
+
 def finite(x: float) -> float:
     """JSON has no -inf: a log-probability below float32's range reads as -9999 (as vLLM writes it)."""
     return x if math.isfinite(x) and x > -9999.0 else -9999.0
