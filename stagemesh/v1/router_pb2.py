@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19stagemesh/v1/router.proto\x12\x0cstagemesh.v1\"\x8b\x04\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\x05\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\r\n\x05top_p\x18\x06 \x01(\x02\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x10\n\x08priority\x18\t \x01(\x05\x12\x12\n\nrequest_id\x18\n \x01(\t\x12\r\n\x05min_p\x18\x0b \x01(\x02\x12\x18\n\x10presence_penalty\x18\x0c \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\r \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x0e \x01(\x02\x12@\n\nlogit_bias\x18\x0f \x03(\x0b\x32,.stagemesh.v1.GenerateRequest.LogitBiasEntry\x12\x10\n\x08logprobs\x18\x10 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x11 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x12 \x03(\x05\x12\x12\n\nignore_eos\x18\x13 \x01(\x08\x12\x12\n\nmin_tokens\x18\x14 \x01(\x05\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seed\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12%\n\x03top\x18\x03 \x03(\x0b\x32\x18.stagemesh.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\xff\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x31\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1a.stagemesh.v1.FinishReason\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x15\n\rcached_tokens\x18\x05 \x01(\x05\x12,\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1a.stagemesh.v1.TokenLogprob\x12\"\n\x05usage\x18\x07 \x01(\x0b\x32\x13.stagemesh.v1.Usage\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"G\n\x14GenerateBatchRequest\x12/\n\x08requests\x18\x01 \x03(\x0b\x32\x1d.stagemesh.v1.GenerateRequest\"\x83\x01\n\x15GenerateBatchResponse\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x30\n\x08response\x18\x02 \x01(\x0b\x32\x1e.stagemesh.v1.GenerateResponse\x12\x12\n\nerror_code\x18\x03 \x01(\x05\x12\x15\n\rerror_message\x18\x04 \x01(\t\"\x13\n\x11ListChainsRequest\"C\n\x08StageRef\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x13\n\x0blayer_start\x18\x02 \x01(\x05\x12\x11\n\tlayer_end\x18\x03 \x01(\x05\"\xc1\x01\n\x05\x43hain\x12\x10\n\x08\x63hain_id\x18\x01 \x01(\t\x12&\n\x06stages\x18\x02 \x03(\x0b\x32\x16.stagemesh.v1.StageRef\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x11\n\tin_flight\x18\x04 \x01(\x05\x12\x13\n\x0b\x66ingerprint\x18\x05 \x01(\t\x12\x0c\n\x04kind\x18\x06 \x01(\t\x12\x10\n\x08tp_width\x18\x07 \x01(\x05\x12\x14\n\x0clength_class\x18\x08 \x01(\t\x12\x0f\n\x07problem\x18\t \x01(\t\"V\n\x12ListChainsResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12#\n\x06\x63hains\x18\x02 \x03(\x0b\x32\x13.stagemesh.v1.Chain\x12\x0c\n\x04plan\x18\x03 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\x89\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x13\n\x0b\x66ingerprint\x18\x04 \x01(\t\x12\x15\n\rchat_template\x18\x05 \x01(\x08\x12\x15\n\reos_token_ids\x18\x06 \x03(\x05*v\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x03\x32\xce\x02\n\x06Router\x12K\n\x08Generate\x12\x1d.stagemesh.v1.GenerateRequest\x1a\x1e.stagemesh.v1.GenerateResponse0\x01\x12Z\n\rGenerateBatch\x12\".stagemesh.v1.GenerateBatchRequest\x1a#.stagemesh.v1.GenerateBatchResponse0\x01\x12O\n\nListChains\x12\x1f.stagemesh.v1.ListChainsRequest\x1a .stagemesh.v1.ListChainsResponse\x12J\n\x0cGetModelInfo\x12!.stagemesh.v1.GetModelInfoRequest\x1a\x17.stagemesh.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19stagemesh/v1/router.proto\x12\x0cstagemesh.v1\"\x9f\x04\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\x05\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\r\n\x05top_p\x18\x06 \x01(\x02\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x10\n\x08priority\x18\t \x01(\x05\x12\x12\n\nrequest_id\x18\n \x01(\t\x12\r\n\x05min_p\x18\x0b \x01(\x02\x12\x18\n\x10presence_penalty\x18\x0c \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\r \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x0e \x01(\x02\x12@\n\nlogit_bias\x18\x0f \x03(\x0b\x32,.stagemesh.v1.GenerateRequest.LogitBiasEntry\x12\x10\n\x08logprobs\x18\x10 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x11 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x12 \x03(\x05\x12\x12\n\nignore_eos\x18\x13 \x01(\x08\x12\x12\n\nmin_tokens\x18\x14 \x01(\x05\x12\x12\n\ncache_salt\x18\x15 \x01(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seed\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12%\n\x03top\x18\x03 \x03(\x0b\x32\x18.stagemesh.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\xff\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x31\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1a.stagemesh.v1.FinishReason\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x15\n\rcached_tokens\x18\x05 \x01(\x05\x12,\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1a.stagemesh.v1.TokenLogprob\x12\"\n\x05usage\x18\x07 \x01(\x0b\x32\x13.stagemesh.v1.Usage\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"G\n\x14GenerateBatchRequest\x12/\n\x08requests\x18\x01 \x03(\x0b\x32\x1d.stagemesh.v1.GenerateRequest\"\x83\x01\n\x15GenerateBatchResponse\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x30\n\x08response\x18\x02 \x01(\x0b\x32\x1e.stagemesh.v1.GenerateResponse\x12\x12\n\nerror_code\x18\x03 \x01(\x05\x12\x15\n\rerror_message\x18\x04 \x01(\t\"\x13\n\x11ListChainsRequest\"C\n\x08StageRef\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x13\n\x0blayer_start\x18\x02 \x01(\x05\x12\x11\n\tlayer_end\x18\x03 \x01(\x05\"\xc1\x01\n\x05\x43hain\x12\x10\n\x08\x63hain_id\x18\x01 \x01(\t\x12&\n\x06stages\x18\x02 \x03(\x0b\x32\x16.stagemesh.v1.StageRef\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x11\n\tin_flight\x18\x04 \x01(\x05\x12\x13\n\x0b\x66ingerprint\x18\x05 \x01(\t\x12\x0c\n\x04kind\x18\x06 \x01(\t\x12\x10\n\x08tp_width\x18\x07 \x01(\x05\x12\x14\n\x0clength_class\x18\x08 \x01(\t\x12\x0f\n\x07problem\x18\t \x01(\t\"V\n\x12ListChainsResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12#\n\x06\x63hains\x18\x02 \x03(\x0b\x32\x13.stagemesh.v1.Chain\x12\x0c\n\x04plan\x18\x03 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\x89\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x13\n\x0b\x66ingerprint\x18\x04 \x01(\t\x12\x15\n\rchat_template\x18\x05 \x01(\x08\x12\x15\n\reos_token_ids\x18\x06 \x03(\x05*v\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x03\x32\xce\x02\n\x06Router\x12K\n\x08Generate\x12\x1d.stagemesh.v1.GenerateRequest\x1a\x1e.stagemesh.v1.GenerateResponse0\x01\x12Z\n\rGenerateBatch\x12\".stagemesh.v1.GenerateBatchRequest\x1a#.stagemesh.v1.GenerateBatchResponse0\x01\x12O\n\nListChains\x12\x1f.stagemesh.v1.ListChainsRequest\x1a .stagemesh.v1.ListChainsResponse\x12J\n\x0cGetModelInfo\x12!.stagemesh.v1.GetModelInfoRequest\x1a\x17.stagemesh.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,36 +33,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST_LOGITBIASENTRY']._loaded_options = None
   _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1792
-  _globals['_FINISHREASON']._serialized_end=1910
+  _globals['_FINISHREASON']._serialized_start=1812
+  _globals['_FINISHREASON']._serialized_end=1930
   _globals['_GENERATEREQUEST']._serialized_start=44
-  _globals['_GENERATEREQUEST']._serialized_end=567
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=510
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=558
-  _globals['_TOPLOGPROB']._serialized_start=569
-  _globals['_TOPLOGPROB']._serialized_end=616
-  _globals['_TOKENLOGPROB']._serialized_start=618
-  _globals['_TOKENLOGPROB']._serialized_end=706
-  _globals['_USAGE']._serialized_start=708
-  _globals['_USAGE']._serialized_end=788
-  _globals['_GENERATERESPONSE']._serialized_start=791
-  _globals['_GENERATERESPONSE']._serialized_end=1046
-  _globals['_GENERATEBATCHREQUEST']._serialized_start=1048
-  _globals['_GENERATEBATCHREQUEST']._serialized_end=1119
-  _globals['_GENERATEBATCHRESPONSE']._serialized_start=1122
-  _globals['_GENERATEBATCHRESPONSE']._serialized_end=1253
-  _globals['_LISTCHAINSREQUEST']._serialized_start=1255
-  _globals['_LISTCHAINSREQUEST']._serialized_end=1274
-  _globals['_STAGEREF']._serialized_start=1276
-  _globals['_STAGEREF']._serialized_end=1343
-  _globals['_CHAIN']._serialized_start=1346
-  _globals['_CHAIN']._serialized_end=1539
-  _globals['_LISTCHAINSRESPONSE']._serialized_start=1541
-  _globals['_LISTCHAINSRESPONSE']._serialized_end=1627
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1629
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1650
-  _globals['_MODELINFO']._serialized_start=1653
-  _globals['_MODELINFO']._serialized_end=1790
-  _globals['_ROUTER']._serialized_start=1913
-  _globals['_ROUTER']._serialized_end=2247
+  _globals['_GENERATEREQUEST']._serialized_end=587
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=530
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=578
+  _globals['_TOPLOGPROB']._serialized_start=589
+  _globals['_TOPLOGPROB']._serialized_end=636
+  _globals['_TOKENLOGPROB']._serialized_start=638
+  _globals['_TOKENLOGPROB']._serialized_end=726
+  _globals['_USAGE']._serialized_start=728
+  _globals['_USAGE']._serialized_end=808
+  _globals['_GENERATERESPONSE']._serialized_start=811
+  _globals['_GENERATERESPONSE']._serialized_end=1066
+  _globals['_GENERATEBATCHREQUEST']._serialized_start=1068
+  _globals['_GENERATEBATCHREQUEST']._serialized_end=1139
+  _globals['_GENERATEBATCHRESPONSE']._serialized_start=1142
+  _globals['_GENERATEBATCHRESPONSE']._serialized_end=1273
+  _globals['_LISTCHAINSREQUEST']._serialized_start=1275
+  _globals['_LISTCHAINSREQUEST']._serialized_end=1294
+  _globals['_STAGEREF']._serialized_start=1296
+  _globals['_STAGEREF']._serialized_end=1363
+  _globals['_CHAIN']._serialized_start=1366
+  _globals['_CHAIN']._serialized_end=1559
+  _globals['_LISTCHAINSRESPONSE']._serialized_start=1561
+  _globals['_LISTCHAINSRESPONSE']._serialized_end=1647
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1649
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1670
+  _globals['_MODELINFO']._serialized_start=1673
+  _globals['_MODELINFO']._serialized_end=1810
+  _globals['_ROUTER']._serialized_start=1933
+  _globals['_ROUTER']._serialized_end=2267
 # @@protoc_insertion_point(module_scope)
