@@ -24,6 +24,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal
 
+import jinja2
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from sse_starlette import EventSourceResponse
@@ -302,12 +303,8 @@ class HttpFront:
 
         try:
             return await asyncio.to_thread(render)
-        except Exception as exc:
-            import jinja2
-
-            if isinstance(exc, jinja2.TemplateError):  # the template refused these messages, saying why
-                raise bad(f"the chat template refused the messages: {exc}", "messages") from None
-            raise
+        except jinja2.TemplateError as exc:  # the template refused these messages, saying why
+            raise bad(f"the chat template refused the messages: {exc}", "messages") from None
 
     async def _choices(self, call: Call) -> AsyncIterator[tuple[int, router_pb2.GenerateResponse]]:
         """Each choice's responses, tagged with its index, as they come. Choice 0 starts alone; the others once it
