@@ -29,6 +29,8 @@ from stagemesh.config_flags import NOT_A_FLAG, PORT_RULE, refused
 from stagemesh.discovery.backends import plaintext_hosts
 from stagemesh.discovery.chain_table import PublishedChain, PublishedStage, decode_chains, encode_chains
 from stagemesh.discovery.registry import (
+    Fence,
+    LockLost,
     Registry,
     RegistryError,
     ServiceStatus,
@@ -154,7 +156,10 @@ class Scheduler:
         # The leader lock's holder id is a secret (whoever sends it renews or releases the lock); the registry
         # shows others its digest, holder_name, which is also what this scheduler logs.
         self.holder_id = f"{config.scheduler_id}-{secrets.token_hex(16)}"
-        self._assigned: dict[str, str] = {}
+        # Every write is fenced by the leader lock: the registry refuses it once this scheduler no longer holds it.
+        self.fence = Fence(leader_key(self.name), self.holder_id)
+        self._assigned: dict[str, str] = {}  # the assignments in the registry, read at every reconcile
+        self._wrote: dict[str, str] = {}  # what this leader last wrote to each: anything else there is drift
         self._versions: dict[str, int] = {}  # key -> modify_index of this leader's last write
         self._reported: set[str] = set()  # problems already logged: each once, not once per poll
         self._found: list[placement.ChainPlan] = []  # the chains published when this leader took over
@@ -201,6 +206,9 @@ class Scheduler:
             except LeaseLapsing:
                 log.warning(f"{self.config.scheduler_id} could not renew the leader lock in time; it stopped "
                             "acting before its lease could lapse, and stands by")
+            except LockLost:
+                log.warning(f"{self.config.scheduler_id}'s writes were refused by the registry: it no longer holds "
+                            "the leader lock (its lease lapsed); it stands by")
             except RegistryError as exc:
                 log.warning(f"registry unreachable ({exc}); retrying")
             except Exception as exc:  # a bug or bad data: stand down, log, campaign again (never die)
@@ -252,14 +260,9 @@ class Scheduler:
     async def _lead_while(self, keeper: asyncio.Task) -> None:
         loop = asyncio.get_running_loop()
         ttl = self.config.lock_ttl_s
-        index = 0
         # Start from what serves (placement.serving_plan), so a takeover changes nothing that works.
         self.plan, self.published = None, None
-        self._versions = {}
-        self._assigned = {
-            e.key.rsplit("/", 1)[1]: e.value.decode()
-            for e in await self.registry.kv_list(assignments_prefix(self.name))
-        }
+        self._versions, self._wrote = {}, {}
         table, _ = await self.registry.kv_get(chains_key(self.name))
         try:
             self._found = [placement.ChainPlan([placement.StagePlan(s.service_id, s.layer_start, s.layer_end)
@@ -270,14 +273,33 @@ class Scheduler:
         if table is None:
             log.info(f"no chain table in the registry: watching registrations for {self.config.settle_s:g}s "
                      "before planning")
+        indexes = [0, 0]
         while not keeper.done():
-            index, services = await self.registry.watch_services(index, timeout_s=ttl / 3, model=self.name)
+            services = await self._next_change(indexes, ttl / 3)
             if keeper.done():
                 return
             if loop.time() >= settled:
                 t0 = time.perf_counter()
                 await self.reconcile(services)
                 metrics.RECONCILE_SECONDS.observe(time.perf_counter() - t0)
+
+    async def _next_change(self, indexes: list[int], timeout_s: float) -> list[ServiceStatus]:
+        """The registrations once they or the assignments changed (a write this leader did not make is drift, to
+        correct), or after timeout_s; indexes holds both watches' and moves on."""
+        watches = [asyncio.ensure_future(self.registry.watch_services(indexes[0], timeout_s, model=self.name)),
+                   asyncio.ensure_future(self.registry.watch_prefix(assignments_prefix(self.name), indexes[1],
+                                                                    timeout_s))]
+        try:
+            await asyncio.wait(watches, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for watch in watches:
+                watch.cancel()
+            await asyncio.gather(*watches, return_exceptions=True)
+        results = [w.result() if w.done() and not w.cancelled() else None for w in watches]
+        for i, result in enumerate(results):
+            if result is not None:
+                indexes[i] = result[0]
+        return results[0][1] if results[0] is not None else await self.registry.services(self.name)
 
     async def _write(self, key: str, value: bytes) -> bool:
         """Check-and-set against the version this leader last wrote (or read at takeover): a write that
@@ -286,7 +308,7 @@ class Scheduler:
         index = self._versions.get(key)
         if index is None:
             _, index = await self.registry.kv_get(key)
-        if await self.registry.kv_cas(key, value, index):
+        if await self.registry.kv_cas(key, value, index, fence=self.fence):
             _, self._versions[key] = await self.registry.kv_get(key)
             return True
         log.warning(f"{key} was changed by someone else; re-reading before acting again")
@@ -322,6 +344,14 @@ class Scheduler:
 
         wanted = new_plan.assignments()
         metrics.STAGES_SEEN.labels("assigned").set(sum(1 for sid in live if wanted.get(sid)))
+        # Read at every reconcile, not once at takeover: whatever is there now (an operator's mistake, a stale
+        # leader's write before fencing, a registry restarted empty) is compared with the plan and corrected.
+        self._assigned = {e.key.rsplit("/", 1)[1]: e.value.decode("utf-8", errors="replace")
+                          for e in await self.registry.kv_list(assignments_prefix(self.name))}
+        for sid, value in self._assigned.items():
+            if sid in self._wrote and self._wrote[sid] != value:
+                log.warning(f"the assignment of {sid} was changed behind the leader's back (to {value!r}, it wrote "
+                            f"{self._wrote[sid]!r}): correcting it to the plan")
         changed = {}
         for sid, status in live.items():
             if status.record.meta.get("fixed") == "1":
@@ -334,14 +364,16 @@ class Scheduler:
         if changed or gone:
             self._check_lease()
             # Concurrently: at fleet size, one write after another would hold the plan back for seconds.
-            await asyncio.gather(*(self.registry.kv_put(assignment_key(self.name, sid), v.encode())
+            await asyncio.gather(*(self.registry.kv_put(assignment_key(self.name, sid), v.encode(), fence=self.fence)
                                    for sid, v in changed.items()),
-                                 *(self.registry.kv_delete(assignment_key(self.name, sid)) for sid in gone))
+                                 *(self.registry.kv_delete(assignment_key(self.name, sid), fence=self.fence)
+                                   for sid in gone))
         for sid, value in changed.items():
-            self._assigned[sid] = value
+            self._assigned[sid] = self._wrote[sid] = value
             log.info(f"assigned layers {value or '(none: spare)'} to {sid}")
         for sid in gone:
             del self._assigned[sid]
+            self._wrote.pop(sid, None)
 
         by_id = {h.host_id: h for h in hosts}
         ready = [
