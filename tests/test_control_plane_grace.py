@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 
 import pytest
 
@@ -149,13 +150,21 @@ def _loads(caplog) -> int:
     return sum(1 for r in caplog.records if r.name == "stagemesh.stage" and r.getMessage().startswith("loaded layers"))
 
 
-async def test_a_registry_restarted_empty_under_load_reloads_no_stage(plane, caplog):  # noqa: F811
-    """The registry comes back empty while every stage serves; one stage's path to it stays silent for longer
-    than the new leader's settling: no stage loads another range (the spare stays spare), no assignment moves,
-    no request fails. Before: the silent stage was planned as missing and its range given to the spare."""
-    scheduler = Scheduler(SchedulerConfig(model=str(plane.model), lock_ttl_s=1.0, settle_s=1.0),
+def _start_scheduler(plane) -> Scheduler:  # noqa: F811
+    scheduler = Scheduler(SchedulerConfig(model=str(plane.model), lock_ttl_s=1.0, settle_s=1.0, rejoin_s=30.0),
                           open_registry(plane.url))
     plane.schedulers.append((scheduler, asyncio.get_running_loop().create_task(scheduler.run())))
+    return scheduler
+
+
+@pytest.mark.parametrize("with_scheduler", [False, True], ids=["registry-alone", "scheduler-hosting-it"])
+async def test_a_registry_restarted_empty_under_load_reloads_no_stage(plane, caplog, with_scheduler):  # noqa: F811
+    """The registry comes back empty while every stage serves (alone, or with the scheduler that hosts it: a new
+    scheduler that knows nothing); one stage's path to it stays silent for longer than the new leader's settling:
+    no stage loads another range (the spare stays spare), no assignment moves, no request fails. Before, a new
+    scheduler planned the silent stage as missing and re-split its chain with the spare."""
+    caplog.set_level(logging.INFO, logger="stagemesh.stage")  # its "loaded layers" lines are counted
+    _start_scheduler(plane)
     with LinkProxy(plane.registry_server.address) as link:
         for i in range(4):  # two chains of two (the silent stage in one of them) ...
             await plane.add_stage(share_of_model=0.6, registry_url=f"local://{link.address}" if i == 0 else "")
@@ -177,8 +186,12 @@ async def test_a_registry_restarted_empty_under_load_reloads_no_stage(plane, cap
             await asyncio.sleep(0.5)
             link.set(black_hole=True)  # the first stage's path to the registry, through the restart and after
             port = plane.registry_server.port
+            if with_scheduler:  # it dies with its registry, without releasing anything
+                plane.schedulers[0][1].cancel()
             await plane.registry_server.stop(0)
             plane.registry_server = await start_registry_server(port=port)
+            if with_scheduler:
+                _start_scheduler(plane)
             await asyncio.sleep(CUT_S)  # the silent stage's registration is still missing all this time
             link.set()
             await asyncio.sleep(2.0)
