@@ -448,6 +448,7 @@ async def test_a_stale_leaders_reconcile_writes_nothing(backend, model, tiny_mod
     await _take_over(backend, model, b)  # a stops renewing
     stale = Scheduler(SchedulerConfig(model=str(tiny_model), model_name=model, lock_ttl_s=backend.lock_ttl_s), a)
     stale.holder_id = A  # the holder whose lease lapsed
+    assert stale.fence == Fence(leader_key(model), A)  # its writes carry that holder's fence
     try:
         async with health_endpoint() as (_, address):
             serving = ServiceRecord(f"{sid(model)}-serving", address, model,

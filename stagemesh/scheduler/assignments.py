@@ -13,10 +13,9 @@ log = logging.getLogger("stagemesh.scheduler")
 
 
 class Assignments:
-    def __init__(self, registry: Registry, model: str, fence: Fence):
+    def __init__(self, registry: Registry, model: str):
         self.registry = registry
         self.model = model
-        self.fence = fence
         self.current: dict[str, str] = {}  # service id -> "A:B" ("" for a spare), as the registry held at read()
         self._wrote: dict[str, str] = {}  # what this leader last wrote to each: anything else there is drift
 
@@ -35,12 +34,12 @@ class Assignments:
                             f"{self._wrote[sid]!r}): correcting it to the plan")
         return self.current
 
-    async def write(self, changed: dict[str, str], gone: list[str]) -> None:
+    async def write(self, changed: dict[str, str], gone: list[str], fence: Fence) -> None:
         """Writes changed and deletes gone, concurrently (at fleet size one write after another would hold the plan
         back for seconds), each fenced: LockLost if this scheduler no longer leads."""
-        await asyncio.gather(*(self.registry.kv_put(assignment_key(self.model, sid), v.encode(), fence=self.fence)
+        await asyncio.gather(*(self.registry.kv_put(assignment_key(self.model, sid), v.encode(), fence=fence)
                                for sid, v in changed.items()),
-                             *(self.registry.kv_delete(assignment_key(self.model, sid), fence=self.fence)
+                             *(self.registry.kv_delete(assignment_key(self.model, sid), fence=fence)
                                for sid in gone))
         for sid, value in changed.items():
             self.current[sid] = self._wrote[sid] = value

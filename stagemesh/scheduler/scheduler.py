@@ -161,9 +161,7 @@ class Scheduler:
         # The leader lock's holder id is a secret (whoever sends it renews or releases the lock); the registry
         # shows others its digest, holder_name, which is also what this scheduler logs.
         self.holder_id = f"{config.scheduler_id}-{secrets.token_hex(16)}"
-        # Every write is fenced by the leader lock: the registry refuses it once this scheduler no longer holds it.
-        self.fence = Fence(leader_key(self.name), self.holder_id)
-        self.assignments = Assignments(registry, self.name, self.fence)
+        self.assignments = Assignments(registry, self.name)
         self._versions: dict[str, int] = {}  # key -> modify_index of this leader's last write
         self._reported: set[str] = set()  # problems already logged: each once, not once per poll
         self._found: list[placement.ChainPlan] = []  # the chains published when this leader took over
@@ -192,6 +190,12 @@ class Scheduler:
         if key not in self._footprints:
             self._footprints[key] = ModelFootprint.from_model_dir(self.config.model, *key)
         return self._footprints[key]
+
+    @property
+    def fence(self) -> Fence:
+        """What every write of this scheduler is conditioned on: the registry refuses it once this scheduler no
+        longer holds the leader lock."""
+        return Fence(leader_key(self.name), self.holder_id)
 
     async def run(self) -> None:
         """Campaigns for the leader lock, leads while it holds it, and campaigns again if it loses it."""
@@ -359,7 +363,7 @@ class Scheduler:
         gone = [sid for sid in assigned if sid not in live]
         if changed or gone:
             self._check_lease()
-            await self.assignments.write(changed, gone)
+            await self.assignments.write(changed, gone, self.fence)
 
         by_id = {h.host_id: h for h in hosts}
         ready = [
