@@ -194,8 +194,11 @@ async def test_a_registry_restarted_empty_under_load_reloads_no_stage(plane, cap
                 _start_scheduler(plane)
             await asyncio.sleep(CUT_S)  # the silent stage's registration is still missing all this time
             link.set()
-            await asyncio.sleep(2.0)
-            after = {e.key: e.value for e in await registry.kv_list(assignments_prefix(plane.model.name))}
+            for _ in range(300):  # bounded: 30 s for the silent stage to register and its assignment to be rewritten
+                after = {e.key: e.value for e in await registry.kv_list(assignments_prefix(plane.model.name))}
+                if {k: v for k, v in after.items() if v} == {k: v for k, v in before.items() if v}:
+                    break
+                await asyncio.sleep(0.1)
         finally:
             stop.set()
             await asyncio.wait_for(load, 60)
