@@ -29,6 +29,8 @@ from stagemesh.discovery.consul import ConsulRegistry
 from stagemesh.discovery.embedded import EmbeddedRegistryClient
 from stagemesh.discovery.etcd import EtcdRegistry
 from stagemesh.discovery.registry import (
+    Fence,
+    LockLost,
     Registry,
     RegistryError,
     ServiceRecord,
@@ -39,6 +41,7 @@ from stagemesh.discovery.registry import (
     leader_key,
 )
 from stagemesh.registry.service import start_registry_server
+from stagemesh.scheduler.scheduler import Scheduler, SchedulerConfig
 from tests.harness.etcd_cluster import EtcdCluster
 from tests.harness.fault_mesh import free_ports
 
@@ -116,8 +119,9 @@ async def backend(request, tmp_path_factory):
         if shutil.which("consul") is None:
             pytest.skip(NO_CONSUL)
         async with consul_agent(tmp_path_factory.mktemp("consul")) as address:
+            # A lapsed session frees its lock after up to twice its TTL, then Consul's 15 s lock-delay.
             yield Backend(f"consul://{address}", ttl_s=2.0, deregister_after_s=1.0, critical_within_s=6.0,
-                          removed_within_s=100.0, lock_ttl_s=10.0, lock_freed_within_s=25.0)
+                          removed_within_s=100.0, lock_ttl_s=10.0, lock_freed_within_s=45.0)
 
 
 @pytest.fixture
@@ -396,6 +400,74 @@ async def test_lock_is_taken_over_when_the_holder_stops_renewing(backend, model)
         assert not await a.renew_lock(key, A)
     finally:
         await b.release_lock(key, B)
+        await a.close()
+        await b.close()
+
+
+async def _take_over(backend, model, b: Registry) -> None:
+    """b takes the lock as B once A, which holds it, stops renewing it (b polls as a standby scheduler does)."""
+    assert await eventually(lambda: b.acquire_lock(leader_key(model), B, backend.lock_ttl_s),
+                            backend.lock_freed_within_s, "b taking the lock a stopped renewing")
+
+
+async def test_fenced_writes_of_a_holder_that_lost_its_lock_are_refused(backend, model):
+    key, lock = chains_key(model), leader_key(model)
+    a, b = backend.open(), backend.open()
+    try:
+        assert await a.acquire_lock(lock, A, backend.lock_ttl_s)
+        mine = Fence(lock, A)
+        await a.kv_put(key, b"1", fence=mine)
+        index = (await a.kv_get(key))[1]
+        assert not await a.kv_cas(key, b"2", index + 1000, fence=mine), "a cas that misses is False, not LockLost"
+        assert await a.kv_cas(key, b"2", index, fence=mine)
+        await a.kv_delete(key, fence=mine)
+        await a.kv_put(key, b"3", fence=mine)
+        with pytest.raises(LockLost):  # a fence never held
+            await b.kv_put(key, b"never held", fence=Fence(lock, B))
+        await _take_over(backend, model, b)  # a stops renewing
+        index = (await b.kv_get(key))[1]
+        for stale in (lambda: a.kv_put(key, b"stale", fence=mine), lambda: a.kv_cas(key, b"stale", index, fence=mine),
+                      lambda: a.kv_delete(key, fence=mine)):
+            with pytest.raises(LockLost):
+                await stale()
+        assert (await b.kv_get(key)) == (b"3", index), "a refused write changed nothing"
+        await b.kv_put(key, b"4", fence=Fence(lock, B))
+        assert (await a.kv_get(key))[0] == b"4"
+    finally:
+        await b.release_lock(lock, B)
+        await b.kv_delete(key)
+        await a.close()
+        await b.close()
+
+
+async def test_a_stale_leaders_reconcile_writes_nothing(backend, model, tiny_model):
+    """A leader paused between its renew-deadline check and its writes (its lease lapsed meanwhile, another
+    scheduler took the lock): the registry itself refuses its chain table and its assignments."""
+    a, b = backend.open(), backend.open()
+    assert await a.acquire_lock(leader_key(model), A, backend.lock_ttl_s)
+    await _take_over(backend, model, b)  # a stops renewing
+    stale = Scheduler(SchedulerConfig(model=str(tiny_model), model_name=model, lock_ttl_s=backend.lock_ttl_s), a)
+    stale.holder_id = A  # the holder whose lease lapsed
+    assert stale.fence == Fence(leader_key(model), A)  # its writes carry that holder's fence
+    try:
+        async with health_endpoint() as (_, address):
+            serving = ServiceRecord(f"{sid(model)}-serving", address, model,
+                                    {"budget_bytes": str(10**12), "layers": "0:8", "ready": "1", "fixed": "1"})
+            joiner = ServiceRecord(f"{sid(model)}-joiner", address, model, {"budget_bytes": str(10**12)})
+            for record in (serving, joiner):
+                await b.register(record, ttl_s=60)
+            services = {s.record.service_id: s for s in await b.services(model)}
+            for only in (serving, joiner):  # the first publishes a chain, the second assigns a range
+                stale._renewed_at = asyncio.get_running_loop().time()  # its own clock says it just renewed
+                with pytest.raises(LockLost):
+                    await stale.reconcile([services[only.service_id]])
+            assert await b.kv_get(chains_key(model)) == (None, 0)
+            assert await b.kv_list(assignments_prefix(model)) == []
+    finally:
+        for record in (serving, joiner):
+            await b.deregister(record.service_id)
+        await stale.lapsed.close()
+        await b.release_lock(leader_key(model), B)
         await a.close()
         await b.close()
 

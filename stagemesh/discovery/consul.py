@@ -13,25 +13,34 @@ Consul removes a service critical for DeregisterCriticalServiceAfter, which it f
 reaps every 30 s: removal takes 60-90 s whatever deregister_after_s asks. The gRPC check is performed
 by the agent the service is registered with: it must reach the service's address.
 
-Locks are Consul sessions (TTL, behavior=delete, lock-delay 0) and `kv put ?acquire=`. Consul's
-session TTL is 10 s at least and an abandoned session may live up to twice its TTL.
+Locks are Consul sessions (TTL, behavior=delete, Consul's default lock-delay of 15 s: after a holder's
+session is invalidated nobody takes the lock for that long, so writes the old holder had in flight land before a
+new holder acts) and `kv put ?acquire=`. Consul's session TTL is 10 s at least and an abandoned session may live
+up to twice its TTL. A clean release first releases the key (which starts no lock-delay), then destroys the
+session. A fenced write is a transaction whose first operation is `check-session` on the lock's key.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import contextlib
 import functools
+import json
 import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import consul
 import requests
+from consul.exceptions import ClientError
 
 from stagemesh.discovery.registry import (
     MAX_WAIT_S,
     SERVICE_NAME,
+    Fence,
     KVEntry,
+    LockLost,
     RegistryError,
     ServiceRecord,
     ServiceStatus,
@@ -171,18 +180,46 @@ class ConsulRegistry:
         _, item = await self._run(self._consul.kv.get, key)
         return (item.get("Value") or b"", int(item["ModifyIndex"])) if item else (None, 0)
 
-    async def kv_put(self, key: str, value: bytes) -> None:
+    async def kv_put(self, key: str, value: bytes, fence: Fence | None = None) -> None:
         check_key(key, value)
-        if not await self._run(self._consul.kv.put, key, value):
+        if fence is not None:
+            await self._fenced_txn(fence, {"Verb": "set", "Key": key, "Value": base64.b64encode(value).decode()})
+        elif not await self._run(self._consul.kv.put, key, value):
             raise RegistryError(f"consul at {self.address} refused to write {key!r}")
 
-    async def kv_cas(self, key: str, value: bytes, index: int) -> bool:
+    async def kv_cas(self, key: str, value: bytes, index: int, fence: Fence | None = None) -> bool:
         check_key(key, value)
+        if fence is not None:
+            return await self._fenced_txn(fence, {"Verb": "cas", "Key": key, "Index": index,
+                                                  "Value": base64.b64encode(value).decode()})
         return bool(await self._run(self._consul.kv.put, key, value, cas=index))
 
-    async def kv_delete(self, key: str) -> None:
+    async def kv_delete(self, key: str, fence: Fence | None = None) -> None:
         check_key(key)
-        await self._run(self._consul.kv.delete, key)
+        if fence is not None:
+            await self._fenced_txn(fence, {"Verb": "delete", "Key": key})
+        else:
+            await self._run(self._consul.kv.delete, key)
+
+    async def _fenced_txn(self, fence: Fence, op: dict) -> bool:
+        """op in one transaction after a check-session of the lock's key against its holder's session; LockLost
+        when the check failed, False when op's own check (a cas) did."""
+        session = self._sessions.get((fence.lock_key, fence.holder_id))
+        if session is None:
+            raise LockLost(f"the write's fence {fence.lock_key!r} is not held by its holder: nothing written")
+        ops = [{"KV": {"Verb": "check-session", "Key": fence.lock_key, "Session": session}}, {"KV": op}]
+        try:
+            await self._run(self._consul.txn.put, ops)
+            return True
+        except RegistryError as e:
+            if not isinstance(e.__cause__, ClientError) or "409" not in str(e.__cause__):
+                raise
+            body = str(e.__cause__).partition(" ")[2]
+            with contextlib.suppress(ValueError, TypeError, AttributeError):
+                if all(error.get("OpIndex") != 0 for error in json.loads(body).get("Errors") or []):
+                    return False  # only op's own check failed: the lock is still held
+            raise LockLost(f"the write's fence {fence.lock_key!r} is no longer held by its holder (its session "
+                           "lapsed or another holder took it): nothing written") from e
 
     async def kv_list(self, prefix: str) -> list[KVEntry]:
         return (await self.watch_prefix(prefix, 0, 0))[1]
@@ -206,8 +243,8 @@ class ConsulRegistry:
         session = self._sessions.get((key, holder_id))
         if session is not None and await self._renew(session):
             return session
-        session = await self._run(self._consul.session.create, name=f"stagemesh lock {key} {holder_id}",
-                                  behavior="delete", lock_delay=0, ttl=max(MIN_SESSION_TTL_S, math.ceil(ttl_s)))
+        session = await self._run(self._consul.session.create, name=f"stagemesh lock {key} {holder_name(holder_id)}",
+                                  behavior="delete", ttl=max(MIN_SESSION_TTL_S, math.ceil(ttl_s)))
         self._sessions[(key, holder_id)] = session
         return session
 
@@ -244,10 +281,16 @@ class ConsulRegistry:
         return bool(item) and item.get("Session") == session
 
     async def release_lock(self, key: str, holder_id: str) -> None:
-        """Destroys the session: Consul then deletes the keys it held (behavior=delete)."""
+        """Releases the key (no lock-delay follows a release, unlike an invalidated session), deletes it unless
+        another holder took it meanwhile, and destroys the session."""
         session = self._sessions.pop((key, holder_id), None)
-        if session is not None:
-            await self._run(self._consul.session.destroy, session)
+        if session is None:
+            return
+        if await self._run(self._consul.kv.put, key, holder_name(holder_id).encode(), release=session):
+            index, item = await self._run(self._consul.kv.get, key)
+            if item and not item.get("Session"):
+                await self._run(self._consul.kv.delete, key, cas=int(item["ModifyIndex"]))
+        await self._run(self._consul.session.destroy, session)
 
     async def lock_holder(self, key: str) -> str | None:
         check_key(key)

@@ -8,8 +8,10 @@ import grpc
 from stagemesh import grpc_server
 from stagemesh.discovery.registry import (
     MAX_WAIT_S,
+    Fence,
     KVEntry,
     LockHeld,
+    LockLost,
     RegistryError,
     ServiceRecord,
     ServiceStatus,
@@ -46,6 +48,18 @@ def entry_from_pb(pb: registry_pb2.KvEntry) -> KVEntry:
     return KVEntry(pb.key, pb.value, pb.modify_index)
 
 
+def fence_to_pb(fence: Fence | None) -> registry_pb2.Fence | None:
+    return registry_pb2.Fence(lock_key=fence.lock_key, holder_id=fence.holder_id) if fence else None
+
+
+def fence_from_pb(request) -> Fence | None:
+    """The fence of a KvPut or KvDelete request; None for one without (or any other request)."""
+    if not isinstance(request, registry_pb2.KvPutRequest | registry_pb2.KvDeleteRequest) or \
+            not request.HasField("fence"):
+        return None
+    return Fence(request.fence.lock_key, request.fence.holder_id)
+
+
 class EmbeddedRegistryClient:
     """Implements discovery.registry.Registry over the stagemesh.v1.Registry gRPC service (see
     registry/service.py). Watches are server-side waits bounded by their timeout. With tls, mutual TLS
@@ -67,8 +81,8 @@ class EmbeddedRegistryClient:
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise ValueError(e.details()) from e
-            if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                raise LockHeld(e.details()) from e
+            if e.code() == grpc.StatusCode.FAILED_PRECONDITION:  # a fenced write's refusal, or a held lock's key
+                raise (LockLost if fence_from_pb(request) else LockHeld)(e.details()) from e
             raise RegistryError(f"registry {method} at {self.address} failed ({e.code().name}: {e.details()}); "
                                 f"is the scheduler that hosts the registry running there?") from e
 
@@ -102,16 +116,17 @@ class EmbeddedRegistryClient:
         response = await self._call("KvGet", registry_pb2.KvGetRequest(key=key))
         return (response.entry.value, response.entry.modify_index) if response.HasField("entry") else (None, 0)
 
-    async def kv_put(self, key: str, value: bytes) -> None:
+    async def kv_put(self, key: str, value: bytes, fence: Fence | None = None) -> None:
         check_key(key, value)
-        await self._call("KvPut", registry_pb2.KvPutRequest(key=key, value=value))
+        await self._call("KvPut", registry_pb2.KvPutRequest(key=key, value=value, fence=fence_to_pb(fence)))
 
-    async def kv_cas(self, key: str, value: bytes, index: int) -> bool:
+    async def kv_cas(self, key: str, value: bytes, index: int, fence: Fence | None = None) -> bool:
         check_key(key, value)
-        return (await self._call("KvPut", registry_pb2.KvPutRequest(key=key, value=value, cas_index=index))).ok
+        request = registry_pb2.KvPutRequest(key=key, value=value, cas_index=index, fence=fence_to_pb(fence))
+        return (await self._call("KvPut", request)).ok
 
-    async def kv_delete(self, key: str) -> None:
-        await self._call("KvDelete", registry_pb2.KvDeleteRequest(key=key))
+    async def kv_delete(self, key: str, fence: Fence | None = None) -> None:
+        await self._call("KvDelete", registry_pb2.KvDeleteRequest(key=key, fence=fence_to_pb(fence)))
 
     async def kv_list(self, prefix: str) -> list[KVEntry]:
         response = await self._call("KvList", registry_pb2.KvListRequest(prefix=prefix))

@@ -10,7 +10,9 @@ the record deregister_after_s later (removed); etcd expires both itself, so no p
 etcd leases are whole seconds and at least the server's minimum (1.5 election timeouts, 2 s with
 etcd's defaults): ttl_s is rounded up to that.
 
-KV check-and-set is a transaction comparing the key's mod_revision (0: its create_revision, absent);
+KV check-and-set is a transaction comparing the key's mod_revision (0: its create_revision, absent); a fenced
+write is a transaction that also compares the lock key's lease with the holder's own (a lapsed lease took the
+key with it);
 watches are etcd watches from the caller's revision + 1, so nothing between two calls is missed.
 Locks: the key is created in a transaction (only if absent) on a lease of the candidate's own; renewing
 is a keep-alive of that lease, releasing revokes it (which deletes the key); a dead holder's lease
@@ -33,7 +35,9 @@ from etcd3aio.watch import WatchService
 
 from stagemesh.discovery.registry import (
     MAX_WAIT_S,
+    Fence,
     KVEntry,
+    LockLost,
     RegistryError,
     ServiceRecord,
     ServiceStatus,
@@ -264,31 +268,55 @@ class EtcdRegistry:
         response = await self._range(key.encode())
         return (response.kvs[0].value, response.kvs[0].mod_revision) if response.kvs else (None, 0)
 
-    async def kv_put(self, key: str, value: bytes) -> None:
+    async def kv_put(self, key: str, value: bytes, fence: Fence | None = None) -> None:
         check_key(key, value)
-        async with self._errors(f"writing {key!r}"):
-            await self.kv.put(key.encode(), value, timeout=self.call_timeout_s)
+        if fence is None:
+            async with self._errors(f"writing {key!r}"):
+                await self.kv.put(key.encode(), value, timeout=self.call_timeout_s)
+        else:
+            await self._fenced_txn(fence, [], KVService.txn_op_put(key.encode(), value), f"writing {key!r}")
 
-    async def kv_cas(self, key: str, value: bytes, index: int) -> bool:
+    async def kv_cas(self, key: str, value: bytes, index: int, fence: Fence | None = None) -> bool:
         check_key(key, value)
         compare = (KVService.txn_compare_create_revision(key.encode(), 0) if index == 0 else
-                   self._compare_mod_revision(key.encode(), index))
-        async with self._errors(f"writing {key!r}"):
-            response = await self.kv.txn([compare], [KVService.txn_op_put(key.encode(), value)],
-                                         timeout=self.call_timeout_s)
+                   self._compare(key.encode(), "MOD", mod_revision=index))
+        return await self._fenced_txn(fence, [compare], KVService.txn_op_put(key.encode(), value), f"writing {key!r}")
+
+    async def _fenced_txn(self, fence: Fence | None, compares: list, op, what: str) -> bool:
+        """One transaction: op if every compare holds and (with a fence) the lock's key is still on its holder's
+        lease; LockLost when the fence failed, False when only a compare did."""
+        lease = None
+        if fence is not None:
+            lease = self._locks.get((fence.lock_key, fence.holder_id))
+            if lease is None:
+                raise LockLost(f"the write's fence {fence.lock_key!r} is not held by its holder: nothing written")
+            compares = [self._compare(fence.lock_key.encode(), "LEASE", lease=lease), *compares]
+        async with self._errors(what):
+            response = await self.kv.txn(compares, [op], [KVService.txn_op_get(fence.lock_key.encode())] if fence
+                                         else [], timeout=self.call_timeout_s)
+        if not response.succeeded and fence is not None:
+            held = response.responses[0].response_range.kvs
+            if not (held and held[0].lease == lease):
+                raise LockLost(f"the write's fence {fence.lock_key!r} is no longer held by its holder (its lease "
+                               "lapsed or another holder took it): nothing written")
         return response.succeeded
 
     @staticmethod
-    def _compare_mod_revision(key: bytes, revision: int):
-        compare = KVService.txn_compare_version(key, 0)  # etcd3aio builds no MOD compare: set its target
-        compare.target = type(compare).MOD
-        compare.mod_revision = revision
+    def _compare(key: bytes, target: str, **field):
+        """A compare etcd3aio does not build (MOD, LEASE): its VERSION compare with the target and field set."""
+        compare = KVService.txn_compare_version(key, 0)
+        compare.target = getattr(type(compare), target)
+        for name, value in field.items():
+            setattr(compare, name, value)
         return compare
 
-    async def kv_delete(self, key: str) -> None:
+    async def kv_delete(self, key: str, fence: Fence | None = None) -> None:
         check_key(key)
-        async with self._errors(f"deleting {key!r}"):
-            await self.kv.delete(key.encode(), timeout=self.call_timeout_s)
+        if fence is None:
+            async with self._errors(f"deleting {key!r}"):
+                await self.kv.delete(key.encode(), timeout=self.call_timeout_s)
+        else:
+            await self._fenced_txn(fence, [], KVService.txn_op_delete(key.encode()), f"deleting {key!r}")
 
     async def kv_list(self, prefix: str) -> list[KVEntry]:
         return (await self.watch_prefix(prefix, 0, 0))[1]

@@ -83,6 +83,17 @@ class ServiceStatus:
     health endpoint stopped serving); it is removed after its deregister_after_s."""
 
 
+@dataclass(frozen=True)
+class Fence:
+    """A write conditioned on holding a lock, checked by the registry itself as it applies the write (an etcd
+    transaction on the lock's lease, a Consul transaction checking the lock's session, the embedded registry's
+    holder id): a leader whose lease lapsed while it was paused or slow is refused, whatever it believes."""
+
+    lock_key: str
+    holder_id: str
+    """The holder's secret (acquire_lock's holder_id)."""
+
+
 @dataclass
 class KVEntry:
     key: str
@@ -123,18 +134,20 @@ class Registry(Protocol):
         """(value, modify_index); (None, 0) when the key does not exist."""
         ...
 
-    async def kv_put(self, key: str, value: bytes) -> None:
-        """Writes the key unconditionally (the embedded registry: LockHeld for a held lock's key)."""
+    async def kv_put(self, key: str, value: bytes, fence: Fence | None = None) -> None:
+        """Writes the key (the embedded registry: LockHeld for a held lock's key); with a fence, only while its
+        holder holds its lock (LockLost otherwise, and nothing is written)."""
         ...
 
-    async def kv_cas(self, key: str, value: bytes, index: int) -> bool:
+    async def kv_cas(self, key: str, value: bytes, index: int, fence: Fence | None = None) -> bool:
         """Writes only if the key's modify_index is still index (0: only if absent). False: someone wrote
-        first; read again and retry."""
+        first; read again and retry. With a fence, LockLost when its holder no longer holds its lock."""
         ...
 
-    async def kv_delete(self, key: str) -> None:
+    async def kv_delete(self, key: str, fence: Fence | None = None) -> None:
         """Deletes the key; a missing key is not an error (the embedded registry: LockHeld for a held lock's
-        key; Consul and etcd hold their locks by session and lease, and their ACLs say who may write)."""
+        key; Consul and etcd hold their locks by session and lease, and their ACLs say who may write). With a
+        fence, LockLost when its holder no longer holds its lock."""
         ...
 
     async def kv_list(self, prefix: str) -> list[KVEntry]:
@@ -250,3 +263,8 @@ def holder_name(holder_id: str) -> str:
 
 class LockHeld(Exception):
     """A write or delete of a held lock's key by anyone: only its holder changes it (renew, release)."""
+
+
+class LockLost(Exception):
+    """A fenced write or delete refused by the registry: the fence's holder no longer holds its lock (its lease
+    lapsed, another candidate may lead now), so it must stop acting."""

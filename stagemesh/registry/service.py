@@ -9,7 +9,7 @@ import grpc
 
 from stagemesh import grpc_server, metrics
 from stagemesh.discovery import embedded as er
-from stagemesh.discovery.registry import MAX_VALUE_BYTES, LockHeld, holder_name
+from stagemesh.discovery.registry import MAX_VALUE_BYTES, LockHeld, LockLost, holder_name
 from stagemesh.errors import ErrorCodes, StatusInterceptor
 from stagemesh.registry.state import EmbeddedRegistry
 from stagemesh.signals import until_signalled
@@ -23,9 +23,10 @@ MAX_REQUEST_BYTES = MAX_VALUE_BYTES + 64 * 1024
 smaller); gRPC refuses a larger one before buffering it."""
 
 
-ERROR_CODES: ErrorCodes = {ValueError: grpc.StatusCode.INVALID_ARGUMENT, LockHeld: grpc.StatusCode.FAILED_PRECONDITION}
+ERROR_CODES: ErrorCodes = {ValueError: grpc.StatusCode.INVALID_ARGUMENT, LockHeld: grpc.StatusCode.FAILED_PRECONDITION,
+                           LockLost: grpc.StatusCode.FAILED_PRECONDITION}
 """A ValueError from the registry (a bad key, record or ttl) is the caller's fault: INVALID_ARGUMENT; a write or
-delete of a held lock's key, FAILED_PRECONDITION.
+delete of a held lock's key, or a fenced one whose holder lost its lock, FAILED_PRECONDITION.
 The server hosting the service answers with these through its StatusInterceptor."""
 
 
@@ -58,15 +59,16 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
         return self._get_response(*await self.registry.watch_key(request.key, 0, 0))
 
     async def KvPut(self, request, context):
+        fence = er.fence_from_pb(request)
         if request.HasField("cas_index"):
-            ok = await self.registry.kv_cas(request.key, request.value, request.cas_index)
+            ok = await self.registry.kv_cas(request.key, request.value, request.cas_index, fence)
         else:
-            await self.registry.kv_put(request.key, request.value)
+            await self.registry.kv_put(request.key, request.value, fence)
             ok = True
         return registry_pb2.KvPutResponse(ok=ok)
 
     async def KvDelete(self, request, context):
-        await self.registry.kv_delete(request.key)
+        await self.registry.kv_delete(request.key, er.fence_from_pb(request))
         return registry_pb2.KvDeleteResponse()
 
     async def KvList(self, request, context):

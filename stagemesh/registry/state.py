@@ -18,8 +18,10 @@ from dataclasses import dataclass
 from stagemesh import metrics
 from stagemesh.discovery.registry import (
     MAX_WAIT_S,
+    Fence,
     KVEntry,
     LockHeld,
+    LockLost,
     ServiceRecord,
     ServiceStatus,
     check_holder_id,
@@ -219,23 +221,35 @@ class EmbeddedRegistry:
         if self._held(key) is not None:
             raise LockHeld(f"key {key!r} is a held lock: only its holder releases it")
 
-    async def kv_put(self, key: str, value: bytes) -> None:
+    def _fenced(self, fence: Fence | None) -> None:
+        """LockLost unless the fence's holder holds its lock now (a lease past its expiry counts as lost, reaped
+        or not): checked in the same step as the write, nothing can come between."""
+        if fence is not None:
+            held = self._held(fence.lock_key)
+            if held is None or held.holder != fence.holder_id:
+                raise LockLost(f"the write's fence {fence.lock_key!r} is not held by its holder (its lease lapsed or "
+                               "another holder took it): nothing written")
+
+    async def kv_put(self, key: str, value: bytes, fence: Fence | None = None) -> None:
         check_key(key, value)
         self._not_held(key)
+        self._fenced(fence)
         self._set(key, value)
 
-    async def kv_cas(self, key: str, value: bytes, index: int) -> bool:
+    async def kv_cas(self, key: str, value: bytes, index: int, fence: Fence | None = None) -> bool:
         check_key(key, value)
         self._not_held(key)
+        self._fenced(fence)
         entry = self._kv.get(key)
         if (entry.modify_index if entry else 0) != index:
             return False
         self._set(key, value)
         return True
 
-    async def kv_delete(self, key: str) -> None:
+    async def kv_delete(self, key: str, fence: Fence | None = None) -> None:
         check_key(key)
         self._not_held(key)
+        self._fenced(fence)
         self._delete(key)
 
     async def kv_list(self, prefix: str) -> list[KVEntry]:

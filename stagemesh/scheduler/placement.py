@@ -225,6 +225,25 @@ def serving_plan(model: ModelFootprint, hosts: list[Host], published: list[Chain
     return Plan(chains, [], "")
 
 
+def resume(model: ModelFootprint, hosts: list[Host], previous: Plan | None, published: list[ChainPlan] = ()) -> Plan:
+    """The `previous` plan to plan from: the last plan (or, for a scheduler that starts leading, what serves:
+    serving_plan), plus chains joined up from serving hosts none of its chains holds, so a stage that registers
+    again after the rest of its chain (a registry restarted empty) finds its chain instead of being re-planned."""
+    if previous is None:
+        return serving_plan(model, hosts, published)
+    ids = {h.host_id for h in hosts}
+    held = {s.host_id for c in previous.chains if all(s.host_id in ids for s in c.stages) for s in c.stages}
+    joined = serving_plan(model, [h for h in hosts if h.host_id not in held])
+    return Plan(previous.chains + joined.chains, previous.spare, previous.explanation)
+
+
+def partial(hosts: list[Host], previous: Plan) -> dict[str, tuple[int, int]]:
+    """Hosts (not fixed) that serve a range no chain of `previous` holds: parts of chains whose other hosts are
+    missing, with their ranges."""
+    held = {s.host_id for c in previous.chains for s in c.stages}
+    return {h.host_id: h.serving for h in hosts if h.serving and not h.fixed_layers and h.host_id not in held}
+
+
 def _describe(model, config, chain: ChainPlan, by_id: dict[str, Host]) -> list[str]:
     """One line per stage: range, memory use, estimated time (layer-units / speed) and its share."""
     n = model.num_layers

@@ -29,17 +29,18 @@ from stagemesh.config_flags import NOT_A_FLAG, PORT_RULE, refused
 from stagemesh.discovery.backends import plaintext_hosts
 from stagemesh.discovery.chain_table import PublishedChain, PublishedStage, decode_chains, encode_chains
 from stagemesh.discovery.registry import (
+    Fence,
+    LockLost,
     Registry,
     RegistryError,
     ServiceStatus,
-    assignment_key,
-    assignments_prefix,
     chains_key,
     holder_name,
     leader_key,
     parse_layers,
 )
 from stagemesh.scheduler import placement, tp_advice
+from stagemesh.scheduler.assignments import Assignments, next_change
 from stagemesh.scheduler.lapsed import LapsedStages
 from stagemesh.tls import PlaintextConfig, Tls
 from stagemesh.tracing import TracingConfig
@@ -68,6 +69,10 @@ class SchedulerConfig:
     """Seconds a leader that finds no chain table in the registry (a first start, or a registry restarted
     empty) watches registrations before it assigns or publishes anything: stages that already serve register
     again within a heartbeat or two, and are kept as they serve instead of being planned as they trickle in."""
+    rejoin_s: float = 10.0
+    """Seconds after --settle-s during which such a leader keeps the range of a stage that serves part of a chain
+    whose other stages have not registered again (a slow or cut path to the registry), instead of re-planning
+    that chain with spares; once they register, the chain is joined up as it serves."""
     registry: str = "local"
     """'local' hosts the embedded registry in this process; or local://HOST:PORT, consul://HOST:PORT,
     consul+https://HOST:PORT, etcd://HOST:PORT[,HOST:PORT...], etcd+https://HOST:PORT[,HOST:PORT...]."""
@@ -95,6 +100,8 @@ class SchedulerConfig:
             raise refused(self, "lock_ttl_s", "must be > 0 seconds (a standby takes over after it)")
         if not self.settle_s >= 0:
             raise refused(self, "settle_s", "must be >= 0 seconds")
+        if not self.rejoin_s >= 0:
+            raise refused(self, "rejoin_s", "must be >= 0 seconds")
         if not 0 <= self.registry_port <= 65535:
             raise refused(self, "registry_port", PORT_RULE)
         if self.metrics_port is not None and not 0 < self.metrics_port <= 65535:
@@ -154,10 +161,12 @@ class Scheduler:
         # The leader lock's holder id is a secret (whoever sends it renews or releases the lock); the registry
         # shows others its digest, holder_name, which is also what this scheduler logs.
         self.holder_id = f"{config.scheduler_id}-{secrets.token_hex(16)}"
-        self._assigned: dict[str, str] = {}
+        self.assignments = Assignments(registry, self.name)
         self._versions: dict[str, int] = {}  # key -> modify_index of this leader's last write
         self._reported: set[str] = set()  # problems already logged: each once, not once per poll
         self._found: list[placement.ChainPlan] = []  # the chains published when this leader took over
+        self._rejoin_until = 0.0  # event-loop time until which serving stages wait for their chains' others
+        self._waiting: set[str] = set()  # the stages that waited so at the last reconcile (logged on a change)
         # A probe of lapsed stages: at most a quarter of the lock's TTL, since the leader renews between reconciles.
         self.lapsed = LapsedStages(tls, timeout_s=min(1.0, config.lock_ttl_s / 4))
         self._renewed_at = 0.0  # event-loop time at which the last successful renewal (or the acquire) was asked
@@ -182,6 +191,12 @@ class Scheduler:
             self._footprints[key] = ModelFootprint.from_model_dir(self.config.model, *key)
         return self._footprints[key]
 
+    @property
+    def fence(self) -> Fence:
+        """What every write of this scheduler is conditioned on: the registry refuses it once this scheduler no
+        longer holds the leader lock."""
+        return Fence(leader_key(self.name), self.holder_id)
+
     async def run(self) -> None:
         """Campaigns for the leader lock, leads while it holds it, and campaigns again if it loses it."""
         ttl = self.config.lock_ttl_s
@@ -201,6 +216,9 @@ class Scheduler:
             except LeaseLapsing:
                 log.warning(f"{self.config.scheduler_id} could not renew the leader lock in time; it stopped "
                             "acting before its lease could lapse, and stands by")
+            except LockLost:
+                log.warning(f"{self.config.scheduler_id}'s writes were refused by the registry: it no longer holds "
+                            "the leader lock (its lease lapsed); it stands by")
             except RegistryError as exc:
                 log.warning(f"registry unreachable ({exc}); retrying")
             except Exception as exc:  # a bug or bad data: stand down, log, campaign again (never die)
@@ -252,26 +270,27 @@ class Scheduler:
     async def _lead_while(self, keeper: asyncio.Task) -> None:
         loop = asyncio.get_running_loop()
         ttl = self.config.lock_ttl_s
-        index = 0
-        # Start from what serves (placement.serving_plan), so a takeover changes nothing that works.
-        self.plan, self.published = None, None
+        # Start from what serves (placement.resume), so a takeover changes nothing that works: the table in the
+        # registry, or where the registry restarted empty under this scheduler, the one it published last.
+        remembered, self.plan, self.published = self.published or [], None, None
         self._versions = {}
-        self._assigned = {
-            e.key.rsplit("/", 1)[1]: e.value.decode()
-            for e in await self.registry.kv_list(assignments_prefix(self.name))
-        }
+        self.assignments.forget()
         table, _ = await self.registry.kv_get(chains_key(self.name))
         try:
             self._found = [placement.ChainPlan([placement.StagePlan(s.service_id, s.layer_start, s.layer_end)
-                                                for s in c.stages], c.fingerprint) for c in decode_chains(table)]
+                                                for s in c.stages], c.fingerprint)
+                           for c in (decode_chains(table) if table is not None else remembered)]
         except ValueError:
             self._found = []
         settled = loop.time() + (self.config.settle_s if table is None else 0.0)
+        self._rejoin_until = settled + self.config.rejoin_s if table is None else 0.0
         if table is None:
             log.info(f"no chain table in the registry: watching registrations for {self.config.settle_s:g}s "
-                     "before planning")
+                     f"before planning, and keeping the ranges stages serve for {self.config.rejoin_s:g}s more "
+                     "while the rest of their chains register again")
+        indexes = [0, 0]
         while not keeper.done():
-            index, services = await self.registry.watch_services(index, timeout_s=ttl / 3, model=self.name)
+            services = await next_change(self.registry, self.name, indexes, ttl / 3)
             if keeper.done():
                 return
             if loop.time() >= settled:
@@ -286,7 +305,7 @@ class Scheduler:
         index = self._versions.get(key)
         if index is None:
             _, index = await self.registry.kv_get(key)
-        if await self.registry.kv_cas(key, value, index):
+        if await self.registry.kv_cas(key, value, index, fence=self.fence):
             _, self._versions[key] = await self.registry.kv_get(key)
             return True
         log.warning(f"{key} was changed by someone else; re-reading before acting again")
@@ -309,10 +328,18 @@ class Scheduler:
                 live[s.record.service_id] = s
             except ValueError as exc:
                 self._report(f"ignoring registration {s.record.service_id}: {exc}")
-        previous = self.plan or placement.serving_plan(self.footprint, hosts, self._found)
+        previous = placement.resume(self.footprint, hosts, self.plan, self._found)
+        # After a registry restarted empty, a stage serving part of a chain whose other stages have not registered
+        # again waits for them with its range, instead of its chain being re-split with spares.
+        waiting = placement.partial(hosts, previous) if asyncio.get_running_loop().time() < self._rejoin_until else {}
+        if waiting and set(waiting) != self._waiting:
+            log.info(f"{len(waiting)} stage(s) keep their ranges while their chains' other stages register again: "
+                     + ", ".join(f"{sid} ({a}:{b})" for sid, (a, b) in sorted(waiting.items())))
+        self._waiting = set(waiting)
         # Off the event loop: planning a fleet from scratch is seconds of CPU (500 stages: 3 s here), and the lock's
         # renewals and the registry's watches must go on meanwhile.
-        new_plan = await asyncio.to_thread(placement.plan, self.footprint, hosts, self.config.placement,
+        new_plan = await asyncio.to_thread(placement.plan, self.footprint,
+                                           [h for h in hosts if h.host_id not in waiting], self.config.placement,
                                            previous=previous)
         advice = tp_advice.advise(self.footprint, self.model_args, self.config.placement, hosts, new_plan)
         new_plan.explanation += "".join("\n" + line for line in advice)
@@ -320,28 +347,23 @@ class Scheduler:
             log.info("plan:\n" + new_plan.explanation)
         self.plan = new_plan
 
-        wanted = new_plan.assignments()
+        wanted = new_plan.assignments() | waiting
         metrics.STAGES_SEEN.labels("assigned").set(sum(1 for sid in live if wanted.get(sid)))
+        # Read at every reconcile, not once at takeover: whatever is there now (an operator's mistake, a stale
+        # leader's write before fencing, a registry restarted empty) is compared with the plan and corrected.
+        assigned = await self.assignments.read()
         changed = {}
         for sid, status in live.items():
             if status.record.meta.get("fixed") == "1":
                 continue
             rng = wanted.get(sid)
             value = f"{rng[0]}:{rng[1]}" if rng else ""
-            if self._assigned.get(sid) != value:
+            if assigned.get(sid) != value:
                 changed[sid] = value
-        gone = [sid for sid in self._assigned if sid not in live]
+        gone = [sid for sid in assigned if sid not in live]
         if changed or gone:
             self._check_lease()
-            # Concurrently: at fleet size, one write after another would hold the plan back for seconds.
-            await asyncio.gather(*(self.registry.kv_put(assignment_key(self.name, sid), v.encode())
-                                   for sid, v in changed.items()),
-                                 *(self.registry.kv_delete(assignment_key(self.name, sid)) for sid in gone))
-        for sid, value in changed.items():
-            self._assigned[sid] = value
-            log.info(f"assigned layers {value or '(none: spare)'} to {sid}")
-        for sid in gone:
-            del self._assigned[sid]
+            await self.assignments.write(changed, gone, self.fence)
 
         by_id = {h.host_id: h for h in hosts}
         ready = [

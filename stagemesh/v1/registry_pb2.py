@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bstagemesh/v1/registry.proto\x12\x0cstagemesh.v1\"\xa5\x01\n\rServiceRecord\x12\x12\n\nservice_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x33\n\x04meta\x18\x04 \x03(\x0b\x32%.stagemesh.v1.ServiceRecord.MetaEntry\x1a+\n\tMetaEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"M\n\rServiceStatus\x12+\n\x06record\x18\x01 \x01(\x0b\x32\x1b.stagemesh.v1.ServiceRecord\x12\x0f\n\x07passing\x18\x02 \x01(\x08\"i\n\x0fRegisterRequest\x12+\n\x06record\x18\x01 \x01(\x0b\x32\x1b.stagemesh.v1.ServiceRecord\x12\r\n\x05ttl_s\x18\x02 \x01(\x01\x12\x1a\n\x12\x64\x65register_after_s\x18\x03 \x01(\x01\"\x12\n\x10RegisterResponse\"&\n\x10HeartbeatRequest\x12\x12\n\nservice_id\x18\x01 \x01(\t\"\"\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"\'\n\x11\x44\x65registerRequest\x12\x12\n\nservice_id\x18\x01 \x01(\t\"\x14\n\x12\x44\x65registerResponse\"$\n\x13ListServicesRequest\x12\r\n\x05model\x18\x01 \x01(\t\"G\n\x14WatchServicesRequest\x12\r\n\x05index\x18\x01 \x01(\x04\x12\x11\n\ttimeout_s\x18\x02 \x01(\x01\x12\r\n\x05model\x18\x03 \x01(\t\"P\n\x10ServicesResponse\x12\r\n\x05index\x18\x01 \x01(\x04\x12-\n\x08services\x18\x02 \x03(\x0b\x32\x1b.stagemesh.v1.ServiceStatus\";\n\x07KvEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c\x12\x14\n\x0cmodify_index\x18\x03 \x01(\x04\"\x1b\n\x0cKvGetRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\"D\n\rKvGetResponse\x12\r\n\x05index\x18\x01 \x01(\x04\x12$\n\x05\x65ntry\x18\x02 \x01(\x0b\x32\x15.stagemesh.v1.KvEntry\"P\n\x0cKvPutRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c\x12\x16\n\tcas_index\x18\x03 \x01(\x04H\x00\x88\x01\x01\x42\x0c\n\n_cas_index\"\x1b\n\rKvPutResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\"\x1e\n\x0fKvDeleteRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\"\x12\n\x10KvDeleteResponse\"\x1f\n\rKvListRequest\x12\x0e\n\x06prefix\x18\x01 \x01(\t\"G\n\x0eKvListResponse\x12\r\n\x05index\x18\x01 \x01(\x04\x12&\n\x07\x65ntries\x18\x02 \x03(\x0b\x32\x15.stagemesh.v1.KvEntry\"@\n\x0fWatchKeyRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\x04\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\"F\n\x12WatchPrefixRequest\x12\x0e\n\x06prefix\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\x04\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\"<\n\x0bLockRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x11\n\tholder_id\x18\x02 \x01(\t\x12\r\n\x05ttl_s\x18\x03 \x01(\x01\"\x1a\n\x0cLockResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\" \n\x11LockHolderRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\"H\n\x12LockHolderResponse\x12\x0c\n\x04held\x18\x02 \x01(\x08\x12\x13\n\x0bholder_name\x18\x03 \x01(\tJ\x04\x08\x01\x10\x02R\tholder_id2\xe8\x08\n\x08Registry\x12I\n\x08Register\x12\x1d.stagemesh.v1.RegisterRequest\x1a\x1e.stagemesh.v1.RegisterResponse\x12L\n\tHeartbeat\x12\x1e.stagemesh.v1.HeartbeatRequest\x1a\x1f.stagemesh.v1.HeartbeatResponse\x12O\n\nDeregister\x12\x1f.stagemesh.v1.DeregisterRequest\x1a .stagemesh.v1.DeregisterResponse\x12Q\n\x0cListServices\x12!.stagemesh.v1.ListServicesRequest\x1a\x1e.stagemesh.v1.ServicesResponse\x12S\n\rWatchServices\x12\".stagemesh.v1.WatchServicesRequest\x1a\x1e.stagemesh.v1.ServicesResponse\x12@\n\x05KvGet\x12\x1a.stagemesh.v1.KvGetRequest\x1a\x1b.stagemesh.v1.KvGetResponse\x12@\n\x05KvPut\x12\x1a.stagemesh.v1.KvPutRequest\x1a\x1b.stagemesh.v1.KvPutResponse\x12I\n\x08KvDelete\x12\x1d.stagemesh.v1.KvDeleteRequest\x1a\x1e.stagemesh.v1.KvDeleteResponse\x12\x43\n\x06KvList\x12\x1b.stagemesh.v1.KvListRequest\x1a\x1c.stagemesh.v1.KvListResponse\x12\x46\n\x08WatchKey\x12\x1d.stagemesh.v1.WatchKeyRequest\x1a\x1b.stagemesh.v1.KvGetResponse\x12M\n\x0bWatchPrefix\x12 .stagemesh.v1.WatchPrefixRequest\x1a\x1c.stagemesh.v1.KvListResponse\x12\x44\n\x0b\x41\x63quireLock\x12\x19.stagemesh.v1.LockRequest\x1a\x1a.stagemesh.v1.LockResponse\x12\x42\n\tRenewLock\x12\x19.stagemesh.v1.LockRequest\x1a\x1a.stagemesh.v1.LockResponse\x12\x44\n\x0bReleaseLock\x12\x19.stagemesh.v1.LockRequest\x1a\x1a.stagemesh.v1.LockResponse\x12O\n\nLockHolder\x12\x1f.stagemesh.v1.LockHolderRequest\x1a .stagemesh.v1.LockHolderResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bstagemesh/v1/registry.proto\x12\x0cstagemesh.v1\"\xa5\x01\n\rServiceRecord\x12\x12\n\nservice_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x33\n\x04meta\x18\x04 \x03(\x0b\x32%.stagemesh.v1.ServiceRecord.MetaEntry\x1a+\n\tMetaEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"M\n\rServiceStatus\x12+\n\x06record\x18\x01 \x01(\x0b\x32\x1b.stagemesh.v1.ServiceRecord\x12\x0f\n\x07passing\x18\x02 \x01(\x08\"i\n\x0fRegisterRequest\x12+\n\x06record\x18\x01 \x01(\x0b\x32\x1b.stagemesh.v1.ServiceRecord\x12\r\n\x05ttl_s\x18\x02 \x01(\x01\x12\x1a\n\x12\x64\x65register_after_s\x18\x03 \x01(\x01\"\x12\n\x10RegisterResponse\"&\n\x10HeartbeatRequest\x12\x12\n\nservice_id\x18\x01 \x01(\t\"\"\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"\'\n\x11\x44\x65registerRequest\x12\x12\n\nservice_id\x18\x01 \x01(\t\"\x14\n\x12\x44\x65registerResponse\"$\n\x13ListServicesRequest\x12\r\n\x05model\x18\x01 \x01(\t\"G\n\x14WatchServicesRequest\x12\r\n\x05index\x18\x01 \x01(\x04\x12\x11\n\ttimeout_s\x18\x02 \x01(\x01\x12\r\n\x05model\x18\x03 \x01(\t\"P\n\x10ServicesResponse\x12\r\n\x05index\x18\x01 \x01(\x04\x12-\n\x08services\x18\x02 \x03(\x0b\x32\x1b.stagemesh.v1.ServiceStatus\";\n\x07KvEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c\x12\x14\n\x0cmodify_index\x18\x03 \x01(\x04\"\x1b\n\x0cKvGetRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\"D\n\rKvGetResponse\x12\r\n\x05index\x18\x01 \x01(\x04\x12$\n\x05\x65ntry\x18\x02 \x01(\x0b\x32\x15.stagemesh.v1.KvEntry\"t\n\x0cKvPutRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c\x12\x16\n\tcas_index\x18\x03 \x01(\x04H\x00\x88\x01\x01\x12\"\n\x05\x66\x65nce\x18\x04 \x01(\x0b\x32\x13.stagemesh.v1.FenceB\x0c\n\n_cas_index\",\n\x05\x46\x65nce\x12\x10\n\x08lock_key\x18\x01 \x01(\t\x12\x11\n\tholder_id\x18\x02 \x01(\t\"\x1b\n\rKvPutResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\"B\n\x0fKvDeleteRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\"\n\x05\x66\x65nce\x18\x02 \x01(\x0b\x32\x13.stagemesh.v1.Fence\"\x12\n\x10KvDeleteResponse\"\x1f\n\rKvListRequest\x12\x0e\n\x06prefix\x18\x01 \x01(\t\"G\n\x0eKvListResponse\x12\r\n\x05index\x18\x01 \x01(\x04\x12&\n\x07\x65ntries\x18\x02 \x03(\x0b\x32\x15.stagemesh.v1.KvEntry\"@\n\x0fWatchKeyRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\x04\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\"F\n\x12WatchPrefixRequest\x12\x0e\n\x06prefix\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\x04\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\"<\n\x0bLockRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x11\n\tholder_id\x18\x02 \x01(\t\x12\r\n\x05ttl_s\x18\x03 \x01(\x01\"\x1a\n\x0cLockResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\" \n\x11LockHolderRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\"H\n\x12LockHolderResponse\x12\x0c\n\x04held\x18\x02 \x01(\x08\x12\x13\n\x0bholder_name\x18\x03 \x01(\tJ\x04\x08\x01\x10\x02R\tholder_id2\xe8\x08\n\x08Registry\x12I\n\x08Register\x12\x1d.stagemesh.v1.RegisterRequest\x1a\x1e.stagemesh.v1.RegisterResponse\x12L\n\tHeartbeat\x12\x1e.stagemesh.v1.HeartbeatRequest\x1a\x1f.stagemesh.v1.HeartbeatResponse\x12O\n\nDeregister\x12\x1f.stagemesh.v1.DeregisterRequest\x1a .stagemesh.v1.DeregisterResponse\x12Q\n\x0cListServices\x12!.stagemesh.v1.ListServicesRequest\x1a\x1e.stagemesh.v1.ServicesResponse\x12S\n\rWatchServices\x12\".stagemesh.v1.WatchServicesRequest\x1a\x1e.stagemesh.v1.ServicesResponse\x12@\n\x05KvGet\x12\x1a.stagemesh.v1.KvGetRequest\x1a\x1b.stagemesh.v1.KvGetResponse\x12@\n\x05KvPut\x12\x1a.stagemesh.v1.KvPutRequest\x1a\x1b.stagemesh.v1.KvPutResponse\x12I\n\x08KvDelete\x12\x1d.stagemesh.v1.KvDeleteRequest\x1a\x1e.stagemesh.v1.KvDeleteResponse\x12\x43\n\x06KvList\x12\x1b.stagemesh.v1.KvListRequest\x1a\x1c.stagemesh.v1.KvListResponse\x12\x46\n\x08WatchKey\x12\x1d.stagemesh.v1.WatchKeyRequest\x1a\x1b.stagemesh.v1.KvGetResponse\x12M\n\x0bWatchPrefix\x12 .stagemesh.v1.WatchPrefixRequest\x1a\x1c.stagemesh.v1.KvListResponse\x12\x44\n\x0b\x41\x63quireLock\x12\x19.stagemesh.v1.LockRequest\x1a\x1a.stagemesh.v1.LockResponse\x12\x42\n\tRenewLock\x12\x19.stagemesh.v1.LockRequest\x1a\x1a.stagemesh.v1.LockResponse\x12\x44\n\x0bReleaseLock\x12\x19.stagemesh.v1.LockRequest\x1a\x1a.stagemesh.v1.LockResponse\x12O\n\nLockHolder\x12\x1f.stagemesh.v1.LockHolderRequest\x1a .stagemesh.v1.LockHolderResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -64,29 +64,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_KVGETRESPONSE']._serialized_start=841
   _globals['_KVGETRESPONSE']._serialized_end=909
   _globals['_KVPUTREQUEST']._serialized_start=911
-  _globals['_KVPUTREQUEST']._serialized_end=991
-  _globals['_KVPUTRESPONSE']._serialized_start=993
-  _globals['_KVPUTRESPONSE']._serialized_end=1020
-  _globals['_KVDELETEREQUEST']._serialized_start=1022
-  _globals['_KVDELETEREQUEST']._serialized_end=1052
-  _globals['_KVDELETERESPONSE']._serialized_start=1054
-  _globals['_KVDELETERESPONSE']._serialized_end=1072
-  _globals['_KVLISTREQUEST']._serialized_start=1074
-  _globals['_KVLISTREQUEST']._serialized_end=1105
-  _globals['_KVLISTRESPONSE']._serialized_start=1107
-  _globals['_KVLISTRESPONSE']._serialized_end=1178
-  _globals['_WATCHKEYREQUEST']._serialized_start=1180
-  _globals['_WATCHKEYREQUEST']._serialized_end=1244
-  _globals['_WATCHPREFIXREQUEST']._serialized_start=1246
-  _globals['_WATCHPREFIXREQUEST']._serialized_end=1316
-  _globals['_LOCKREQUEST']._serialized_start=1318
-  _globals['_LOCKREQUEST']._serialized_end=1378
-  _globals['_LOCKRESPONSE']._serialized_start=1380
-  _globals['_LOCKRESPONSE']._serialized_end=1406
-  _globals['_LOCKHOLDERREQUEST']._serialized_start=1408
-  _globals['_LOCKHOLDERREQUEST']._serialized_end=1440
-  _globals['_LOCKHOLDERRESPONSE']._serialized_start=1442
-  _globals['_LOCKHOLDERRESPONSE']._serialized_end=1514
-  _globals['_REGISTRY']._serialized_start=1517
-  _globals['_REGISTRY']._serialized_end=2645
+  _globals['_KVPUTREQUEST']._serialized_end=1027
+  _globals['_FENCE']._serialized_start=1029
+  _globals['_FENCE']._serialized_end=1073
+  _globals['_KVPUTRESPONSE']._serialized_start=1075
+  _globals['_KVPUTRESPONSE']._serialized_end=1102
+  _globals['_KVDELETEREQUEST']._serialized_start=1104
+  _globals['_KVDELETEREQUEST']._serialized_end=1170
+  _globals['_KVDELETERESPONSE']._serialized_start=1172
+  _globals['_KVDELETERESPONSE']._serialized_end=1190
+  _globals['_KVLISTREQUEST']._serialized_start=1192
+  _globals['_KVLISTREQUEST']._serialized_end=1223
+  _globals['_KVLISTRESPONSE']._serialized_start=1225
+  _globals['_KVLISTRESPONSE']._serialized_end=1296
+  _globals['_WATCHKEYREQUEST']._serialized_start=1298
+  _globals['_WATCHKEYREQUEST']._serialized_end=1362
+  _globals['_WATCHPREFIXREQUEST']._serialized_start=1364
+  _globals['_WATCHPREFIXREQUEST']._serialized_end=1434
+  _globals['_LOCKREQUEST']._serialized_start=1436
+  _globals['_LOCKREQUEST']._serialized_end=1496
+  _globals['_LOCKRESPONSE']._serialized_start=1498
+  _globals['_LOCKRESPONSE']._serialized_end=1524
+  _globals['_LOCKHOLDERREQUEST']._serialized_start=1526
+  _globals['_LOCKHOLDERREQUEST']._serialized_end=1558
+  _globals['_LOCKHOLDERRESPONSE']._serialized_start=1560
+  _globals['_LOCKHOLDERRESPONSE']._serialized_end=1632
+  _globals['_REGISTRY']._serialized_start=1635
+  _globals['_REGISTRY']._serialized_end=2763
 # @@protoc_insertion_point(module_scope)

@@ -118,14 +118,24 @@ class KvGetResponse(_message.Message):
     def __init__(self, index: _Optional[int] = ..., entry: _Optional[_Union[KvEntry, _Mapping]] = ...) -> None: ...
 
 class KvPutRequest(_message.Message):
-    __slots__ = ("key", "value", "cas_index")
+    __slots__ = ("key", "value", "cas_index", "fence")
     KEY_FIELD_NUMBER: _ClassVar[int]
     VALUE_FIELD_NUMBER: _ClassVar[int]
     CAS_INDEX_FIELD_NUMBER: _ClassVar[int]
+    FENCE_FIELD_NUMBER: _ClassVar[int]
     key: str
     value: bytes
     cas_index: int
-    def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ..., cas_index: _Optional[int] = ...) -> None: ...
+    fence: Fence
+    def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ..., cas_index: _Optional[int] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ...) -> None: ...
+
+class Fence(_message.Message):
+    __slots__ = ("lock_key", "holder_id")
+    LOCK_KEY_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_ID_FIELD_NUMBER: _ClassVar[int]
+    lock_key: str
+    holder_id: str
+    def __init__(self, lock_key: _Optional[str] = ..., holder_id: _Optional[str] = ...) -> None: ...
 
 class KvPutResponse(_message.Message):
     __slots__ = ("ok",)
@@ -134,10 +144,12 @@ class KvPutResponse(_message.Message):
     def __init__(self, ok: _Optional[bool] = ...) -> None: ...
 
 class KvDeleteRequest(_message.Message):
-    __slots__ = ("key",)
+    __slots__ = ("key", "fence")
     KEY_FIELD_NUMBER: _ClassVar[int]
+    FENCE_FIELD_NUMBER: _ClassVar[int]
     key: str
-    def __init__(self, key: _Optional[str] = ...) -> None: ...
+    fence: Fence
+    def __init__(self, key: _Optional[str] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ...) -> None: ...
 
 class KvDeleteResponse(_message.Message):
     __slots__ = ()

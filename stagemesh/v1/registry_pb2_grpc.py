@@ -166,7 +166,8 @@ class RegistryServicer:
 
     def KvPut(self, request, context):
         """Writes a key, unconditionally or (with cas_index) only if its modify_index is still that;
-        FAILED_PRECONDITION on a held lock's key (only its holder changes it, by RenewLock and ReleaseLock).
+        FAILED_PRECONDITION on a held lock's key (only its holder changes it, by RenewLock and ReleaseLock),
+        and for a fenced write whose holder no longer holds its lock.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -174,7 +175,7 @@ class RegistryServicer:
 
     def KvDelete(self, request, context):
         """Deletes a key; a missing key is not an error; FAILED_PRECONDITION on a held lock's key (only its
-        holder releases it).
+        holder releases it), and for a fenced delete whose holder no longer holds its lock.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
