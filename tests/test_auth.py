@@ -237,9 +237,12 @@ def test_sighup_reloads_the_tokens_of_a_router_process(tiny_model, tmp_path):
     """`stagemesh router --auth-tokens FILE`: SIGHUP swaps the tokens in place; the process's log names the
     caller and holds no token. (A router over a stage that is not there: ListChains answers all the same.)"""
     path = token_file(tmp_path / "tokens.json", {"name": "billing", "token": BILLING})
+    accepted = tmp_path / "accepted.txt"  # and --accept-fingerprints with them
+    accepted.write_text("")
     mesh = LocalMesh(str(tiny_model), tmp_path)
     router = mesh.spawn("router", ["router", "--model", str(tiny_model), "--port", "0", "--auth-tokens", str(path),
-                                   "--chain", f"127.0.0.1:{free_port()}"], stage_env(1))
+                                   "--accept-fingerprints", str(accepted), "--chain", f"127.0.0.1:{free_port()}"],
+                        stage_env(1))
     try:
         with grpc.insecure_channel(router.address) as channel:
             stub = router_pb2_grpc.RouterStub(channel)
@@ -254,6 +257,7 @@ def test_sighup_reloads_the_tokens_of_a_router_process(tiny_model, tmp_path):
             assert list_chains(bearer(BILLING)) == grpc.StatusCode.OK
             assert list_chains([]) == grpc.StatusCode.UNAUTHENTICATED
             token_file(path, {"name": "newcomer", "token": NEWCOMER})
+            accepted.write_text("0123456789abcdef/float32/none/p2\n")
             os.kill(router.popen.pid, signal.SIGHUP)
             deadline = time.monotonic() + 20
             while list_chains(bearer(BILLING)) == grpc.StatusCode.OK and time.monotonic() < deadline:
@@ -269,6 +273,7 @@ def test_sighup_reloads_the_tokens_of_a_router_process(tiny_model, tmp_path):
         mesh.stop()
     log = router.log_path.read_text()
     assert '"caller": "newcomer"' in log and "tokens reloaded" in log
+    assert "accepted fingerprints reloaded: 0123456789abcdef" in log
     assert not any(t in log for t in ALL_TOKENS)
 
 
