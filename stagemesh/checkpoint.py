@@ -324,3 +324,20 @@ def fingerprint_protocol(fingerprint: str) -> int:
 def fingerprint_digest(fingerprint: str) -> str:
     """The model digest part of a serving fingerprint ("" when there is none)."""
     return fingerprint.split("/", 1)[0]
+
+
+def read_accepted_digests(path: str | Path) -> frozenset[str]:
+    """The model digests a file lists (a router's --accept-fingerprints): one per line, each a serving fingerprint
+    or its digest part (at least FINGERPRINT_DIGEST_CHARS hex digits); "#" starts a comment. ValueError naming the
+    line when one is not."""
+    digests = set()
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        entry = line.partition("#")[0].strip()
+        if not entry:
+            continue
+        digest = fingerprint_digest(entry).lower()
+        if len(digest) < FINGERPRINT_DIGEST_CHARS or any(c not in "0123456789abcdef" for c in digest):
+            raise ValueError(f"{path}:{number}: {entry!r} is not a model fingerprint (Stage/Info's fingerprint, or "
+                             f"its first part: {FINGERPRINT_DIGEST_CHARS} or more hex digits)")
+        digests.add(digest[:FINGERPRINT_DIGEST_CHARS])
+    return frozenset(digests)

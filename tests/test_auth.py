@@ -24,12 +24,15 @@ from stagemesh.router.auth import TokenBucket, parse_tokens
 from stagemesh.v1 import router_pb2, router_pb2_grpc
 from tests.conftest import collect, hf_greedy, splits, start_mesh
 from tests.harness.fault_mesh import free_port
+from tests.test_exactness import prompt
 
 BILLING = "billing-0123456789abcdef-secret"
 OPS = "ops-0123456789abcdef-secret-token"
 SLOW = "slow-0123456789abcdef-secret-tok"
 NEWCOMER = "newcomer-0123456789abcdef-secret"
-ALL_TOKENS = (BILLING, OPS, SLOW, NEWCOMER)
+TEAM_X = "team-x-0123456789abcdef-secret-t"
+TEAM_Y = "team-y-0123456789abcdef-secret-t"
+ALL_TOKENS = (BILLING, OPS, SLOW, NEWCOMER, TEAM_X, TEAM_Y)
 PROMPT = [21, 22, 23, 24]
 
 
@@ -53,7 +56,9 @@ async def mesh(tiny_model, tokens_path):
     token_file(tokens_path,
                {"name": "billing", "token": BILLING, "max_priority": 0, "requests_per_second": 1000},
                {"name": "ops", "token": OPS, "max_priority": 5},
-               {"name": "slow", "token": SLOW, "requests_per_second": 0.1})
+               {"name": "slow", "token": SLOW, "requests_per_second": 0.1},
+               {"name": "team-x", "token": TEAM_X, "cache_group": "team"},
+               {"name": "team-y", "token": TEAM_Y, "cache_group": "team"})
     mesh = await start_mesh(tiny_model, [splits(4, 4)], router_options={"auth_tokens": str(tokens_path)})
     yield mesh
     await mesh.stop()
@@ -232,9 +237,12 @@ def test_sighup_reloads_the_tokens_of_a_router_process(tiny_model, tmp_path):
     """`stagemesh router --auth-tokens FILE`: SIGHUP swaps the tokens in place; the process's log names the
     caller and holds no token. (A router over a stage that is not there: ListChains answers all the same.)"""
     path = token_file(tmp_path / "tokens.json", {"name": "billing", "token": BILLING})
+    accepted = tmp_path / "accepted.txt"  # and --accept-fingerprints with them
+    accepted.write_text("")
     mesh = LocalMesh(str(tiny_model), tmp_path)
     router = mesh.spawn("router", ["router", "--model", str(tiny_model), "--port", "0", "--auth-tokens", str(path),
-                                   "--chain", f"127.0.0.1:{free_port()}"], stage_env(1))
+                                   "--accept-fingerprints", str(accepted), "--chain", f"127.0.0.1:{free_port()}"],
+                        stage_env(1))
     try:
         with grpc.insecure_channel(router.address) as channel:
             stub = router_pb2_grpc.RouterStub(channel)
@@ -249,6 +257,7 @@ def test_sighup_reloads_the_tokens_of_a_router_process(tiny_model, tmp_path):
             assert list_chains(bearer(BILLING)) == grpc.StatusCode.OK
             assert list_chains([]) == grpc.StatusCode.UNAUTHENTICATED
             token_file(path, {"name": "newcomer", "token": NEWCOMER})
+            accepted.write_text("0123456789abcdef/float32/none/p2\n")
             os.kill(router.popen.pid, signal.SIGHUP)
             deadline = time.monotonic() + 20
             while list_chains(bearer(BILLING)) == grpc.StatusCode.OK and time.monotonic() < deadline:
@@ -264,6 +273,7 @@ def test_sighup_reloads_the_tokens_of_a_router_process(tiny_model, tmp_path):
         mesh.stop()
     log = router.log_path.read_text()
     assert '"caller": "newcomer"' in log and "tokens reloaded" in log
+    assert "accepted fingerprints reloaded: 0123456789abcdef" in log
     assert not any(t in log for t in ALL_TOKENS)
 
 
@@ -277,3 +287,32 @@ async def test_requests_are_counted_per_caller_by_name_and_never_by_token(mesh):
     assert after == before + 1
     exposition = generate_latest(REGISTRY).decode()
     assert not any(t in exposition for t in ALL_TOKENS)
+
+
+async def cached_tokens(mesh, ids: list[int], token: str, cache_salt: str = "") -> int:
+    """What the router reports of ids's blocks as cached for this caller (the stream's last response)."""
+    _, _, responses = await collect(mesh.router_stub.Generate(
+        router_pb2.GenerateRequest(token_ids=ids, max_new_tokens=2, cache_salt=cache_salt), metadata=bearer(token),
+        timeout=30))
+    return responses[-1].cached_tokens
+
+
+async def test_a_callers_prefix_cache_is_its_own(mesh):
+    """Tenant B sending tenant A's prompt learns nothing of it: B's blocks are B's; A's second request finds A's."""
+    ids = prompt(40, seed=451)  # 2 full blocks of 16 before the last token
+    assert [await cached_tokens(mesh, ids, t) for t in (BILLING, OPS, BILLING, OPS)] == [0, 0, 32, 32]
+
+
+async def test_a_cache_salt_narrows_a_callers_cache_and_a_cache_group_widens_it(mesh):
+    ids = prompt(40, seed=452)
+    assert [await cached_tokens(mesh, ids, BILLING, salt) for salt in ("one", "two", "one", "")] == [0, 0, 32, 0]
+    other = prompt(40, seed=453)
+    assert [await cached_tokens(mesh, other, t) for t in (TEAM_X, TEAM_Y, OPS)] == [0, 32, 0]
+
+
+async def test_a_cache_salt_over_256_bytes_is_invalid(mesh):
+    call = mesh.router_stub.Generate(router_pb2.GenerateRequest(token_ids=PROMPT, max_new_tokens=2,
+                                                                cache_salt="é" * 129), metadata=bearer(OPS), timeout=30)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await collect(call)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "cache_salt has 258 bytes" in err.value.details()

@@ -398,6 +398,24 @@ async def test_requests_and_tokens_are_counted_as_for_grpc(mesh):
     assert [b - a for a, b in zip(before, after, strict=True)] == [1, 5, 1]
 
 
+async def test_a_cache_salt_in_the_body_narrows_the_prefix_cache(mesh):
+    """vLLM's cache_salt: the same caller's requests share blocks only under the same salt; over 256 bytes, a 400."""
+    ids = list(range(300, 340))  # 2 full blocks of 16 before the last token
+
+    async def cached(**salt) -> int:
+        async with httpx.AsyncClient(timeout=60) as http:
+            response = await http.post(f"{base_url(mesh)}/completions",
+                                       json={"prompt": ids, "max_tokens": 2, **salt})
+        assert response.status_code == 200, response.text
+        return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert [await cached(cache_salt=s) for s in ("red", "blue", "red")] == [0, 0, 32]
+    async with httpx.AsyncClient(timeout=30) as http:
+        response = await http.post(f"{base_url(mesh)}/completions",
+                                   json={"prompt": ids, "max_tokens": 2, "cache_salt": "x" * 257})
+    assert response.status_code == 400 and "cache_salt" in response.json()["error"]["message"]
+
+
 async def test_no_usable_chain_is_503_and_health_says_so(tiny_model):
     http_port = free_port()
     router = RouterServer(RouterConfig(model=str(tiny_model), chains=[f"127.0.0.1:{free_port()}"], port=0,

@@ -5,8 +5,10 @@ never mixes two builds of a model (the scheduler plans each build apart, routers
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import logging
+import os
 import shutil
 import time
 
@@ -18,7 +20,7 @@ from stagemesh import grpc_server, tensor_codec, wire
 from stagemesh.checkpoint import ModelFootprint, model_fingerprint, serving_fingerprint, weight_files
 from stagemesh.discovery.backends import open_registry
 from stagemesh.discovery.chain_table import decode_chains
-from stagemesh.discovery.registry import chains_key
+from stagemesh.discovery.registry import assignment_key, chains_key
 from stagemesh.router.chain_client import Chain, ChainSession, StageEndpoint
 from stagemesh.router.server import RouterConfig, RouterServer
 from stagemesh.scheduler import placement
@@ -290,7 +292,7 @@ async def test_the_scheduler_never_chains_two_builds_and_routers_use_their_own(t
 
 
 async def test_router_refuses_a_static_chain_that_mixes_builds_or_serves_another_model(
-        tiny_model, other_build, hf_models, caplog):
+        tiny_model, other_build, hf_models, caplog, tmp_path):
     ours, theirs = [], []
     try:
         for model, servers in ((tiny_model, ours), (other_build, theirs)):
@@ -323,6 +325,27 @@ async def test_router_refuses_a_static_chain_that_mixes_builds_or_serves_another
         mixed = [r for r in caplog.records if "mixes builds" in r.getMessage()]
         other = [r for r in caplog.records if "not this router's" in r.getMessage()]
         assert len(mixed) == 1 and len(other) == 1  # why, once each
+        # A rolling weights update: the operator lists the new build's fingerprint; after a reload its chain is
+        # used too, a mixed chain still never is, and a file that does not parse keeps the accepted ones.
+        accepted = tmp_path / "accepted.txt"
+        accepted.write_text("# the next build\n")
+        router = RouterServer(RouterConfig(model=str(tiny_model), chains=specs, port=0, health_interval_s=0.1,
+                                           accept_fingerprints=str(accepted)))
+        await router.start()
+        try:
+            await asyncio.sleep(0.3)
+            assert [c.healthy for c in router.chains.chains] == [False, False, True]
+            accepted.write_text(f"# the next build\n{theirs[0].fingerprint}  # its Stage/Info fingerprint\n")
+            router.reload()
+            deadline = time.monotonic() + 30
+            while not router.chains.chains[1].healthy and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert [c.healthy for c in router.chains.chains] == [False, True, True]
+            accepted.write_text("not a fingerprint\n")
+            assert not router.reload_fingerprints()
+            assert router.chains.accepted == {theirs[0].fingerprint[:16]}
+        finally:
+            await router.stop(0)
     finally:
         for server in ours + theirs:
             await server.stop(0)
@@ -356,3 +379,62 @@ async def test_router_uses_no_chain_of_another_stage_protocol_version(tiny_model
     finally:
         for server in current + older:
             await server.stop(0)
+
+
+async def until(predicate, what: str, timeout: float = 30.0) -> None:
+    """Waits (bounded) for predicate() (a bool, or an awaitable of one) to hold."""
+    deadline = time.monotonic() + timeout
+    while not ((await held) if inspect.isawaitable(held := predicate()) else held):
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.05)
+
+
+async def test_weights_replaced_on_disk_make_a_reassigned_stage_announce_them_and_no_chain_mixes_them(
+        tiny_model, other_build, tmp_path):
+    """A rolling weights update's first step: new files put in place under a serving stage. A stage that then
+    reads a new range from them says it serves the new build (Info, the registry), not the one it started with,
+    and a router refuses to chain it with a stage still serving the old weights."""
+    rolling = shutil.copytree(tiny_model, tmp_path / tiny_model.name)
+    plane = await ControlPlane(tiny_model).start()
+    try:
+        registry = open_registry(plane.url)
+        plane.closers.append(registry.close)
+        first, second = [await plane.add_stage(share_of_model=0.6, model=rolling) for _ in range(2)]
+        service = {id(server): registration.service_id for server, registration in plane.stages}
+
+        async def assign(server: StageServer, layers: tuple[int, int]) -> None:
+            key = assignment_key(tiny_model.name, service[id(server)])
+            await registry.kv_put(key, f"{layers[0]}:{layers[1]}".encode())
+            await until(lambda: server.layers == layers, f"{server.address} loads {layers}")
+
+        await assign(first, (0, 4))
+        await assign(second, (0, 8))
+        old = serving_fingerprint(model_fingerprint(tiny_model), "float32", "none")
+        assert first.fingerprint == second.fingerprint == old
+        plane.router = RouterServer(RouterConfig(model=str(tiny_model), chains=[second.address,
+                                                                                f"{first.address},{second.address}"],
+                                                 port=0, health_interval_s=0.1))
+        await plane.router.start()
+        whole, pair = plane.router.chains.chains
+        await until(lambda: whole.healthy, "the one-stage chain is used")
+        for name in {p.name for p in weight_files(other_build).values()}:  # put in place as a deploy would
+            shutil.copy(other_build / name, rolling / f"{name}.new")
+            os.replace(rolling / f"{name}.new", rolling / name)
+        await assign(second, (4, 8))
+        new = serving_fingerprint(model_fingerprint(other_build), "float32", "none")
+        assert new != old and second.fingerprint == new and first.fingerprint == old
+        channel = grpc_server.insecure_channel(second.address)
+        plane.closers.append(channel.close)
+        info = await stage_pb2_grpc.StageStub(channel).Info(stage_pb2.InfoRequest())
+        assert info.fingerprint == new
+
+        async def registered() -> bool:
+            records = {r.record.address: r.record.meta for r in await registry.services(tiny_model.name)}
+            return records[second.address]["fingerprint"] == new and records[second.address]["layers"] == "4:8"
+
+        await until(registered, "the stage registers the build it loaded")
+        await until(lambda: "mixes builds" in pair.problem, "the mixed chain is refused")
+        assert not pair.healthy and not whole.healthy  # the whole-model stage is gone too
+        assert pair.fingerprint == f"{old}, {new}"
+    finally:
+        await plane.stop()

@@ -321,6 +321,25 @@ async def test_a_first_step_past_the_attached_positions_is_refused(tiny_model):
         await mesh.stop()
 
 
+async def test_a_block_stepped_with_other_tokens_than_it_claims_is_never_attached(tiny_model, hf_models):
+    """A session opened claiming prompt A but stepped with B (a planted block) leaves nothing under A's keys: the
+    first stage registers a block only when the tokens it computed are the ones its key stands for."""
+    mesh = await start_mesh(tiny_model, [splits(8)], router=False)
+    try:
+        address = mesh.stages[0][0].address
+        a, b = prompt(40, seed=47), prompt(40, seed=48)
+        await _logits_after([address], b[:20] + a[20:], a[:-1])  # the first block planted, the second computed
+        token, logits, attached = await _logits_after([address], a, a[:-1])
+        assert attached == 0  # the second block's key chains through the first: neither is attached
+        with torch.inference_mode():
+            ref = hf_models["llama"](torch.tensor([a])).logits[0, -1]
+        torch.testing.assert_close(logits, ref, atol=1e-4, rtol=0)
+        assert token == int(ref.argmax())
+        assert (await _logits_after([address], a, a[:-1]))[2] == 2 * BS  # the true blocks are found
+    finally:
+        await mesh.stop()
+
+
 def _value(tokens: list[int], position: int) -> float:
     """What a pass would leave at position: a function of the tokens up to it (exact in float32)."""
     return float(hash(tuple(tokens[: position + 1])) % (1 << 20))

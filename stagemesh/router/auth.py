@@ -3,11 +3,13 @@ how often.
 
 The file names each caller and its secret:
     {"tokens": [{"name": "billing", "token": "...", "max_priority": 0, "requests_per_second": 50,
-                 "max_concurrent": 8, "max_queued": 32, "tokens_per_minute": 200000, "max_new_tokens": 1024}]}
+                 "max_concurrent": 8, "max_queued": 32, "tokens_per_minute": 200000, "max_new_tokens": 1024,
+                 "cache_group": "finance"}]}
 A call must carry the metadata `authorization: Bearer <token>`, else UNAUTHENTICATED; a priority above
 the token's max_priority is PERMISSION_DENIED; more calls than its rate (a token bucket per caller,
 burst = rate) are RESOURCE_EXHAUSTED. The other limits (CallerLimits) are the admission queue's to hold
-(router/priority_queue.py). Health and reflection stay open (probes and grpcurl need them).
+(router/priority_queue.py). Each caller's prefix-cache blocks are its own; callers with the same `cache_group`
+share theirs (router/cache_scope.py). Health and reflection stay open (probes and grpcurl need them).
 The HTTP front (router/http_api.py) holds its calls to the same, through check_call, with the `authorization`
 header.
 
@@ -71,7 +73,7 @@ class CallerLimits:
 
 NO_LIMITS = CallerLimits()
 _LIMITS = tuple(f.name for f in dataclasses.fields(CallerLimits))
-_FIELDS = {"name", "token", "max_priority", "requests_per_second", *_LIMITS}
+_FIELDS = {"name", "token", "max_priority", "requests_per_second", "cache_group", *_LIMITS}
 CALLER: ContextVar[str] = ContextVar("stagemesh_caller", default="")
 """The name of the caller whose call this task serves ("" without --auth-tokens): for its log lines."""
 
@@ -86,6 +88,8 @@ class Grant:
     requests_per_second: float | None = None
     """None: no rate limit."""
     limits: CallerLimits = NO_LIMITS
+    cache_group: str = ""
+    """Callers with the same cache_group share their prefix-cache blocks ("": its blocks are its own)."""
 
 
 GRANT: ContextVar[Grant | None] = ContextVar("stagemesh_grant", default=None)
@@ -127,6 +131,10 @@ def parse_tokens(text: str, source: str) -> list[Grant]:
         if rate is not None and (isinstance(rate, bool) or not isinstance(rate, int | float)
                                  or not (math.isfinite(rate) and rate > 0)):
             raise ValueError(f"{where}: requests_per_second must be a number > 0 (leave it out for no limit)")
+        group = entry.get("cache_group", "")
+        if not isinstance(group, str) or len(group) > 64 or not group.isprintable():
+            raise ValueError(f"{where}: cache_group must be at most 64 printable characters (callers naming the "
+                             "same one share their prefix-cache blocks)")
         limits = {}
         for field_name in _LIMITS:
             value = entry.get(field_name)
@@ -134,7 +142,7 @@ def parse_tokens(text: str, source: str) -> list[Grant]:
                 raise ValueError(f"{where}: {field_name} must be an integer >= 1 (leave it out for no limit)")
             limits[field_name] = value
         grants.append(Grant(name, _digest(token), max_priority, None if rate is None else float(rate),
-                            CallerLimits(**limits)))
+                            CallerLimits(**limits), group))
     names = [g.name for g in grants]
     if twice := sorted({n for n in names if names.count(n) > 1}):
         raise ValueError(f"{source}: caller names must be unique: {twice}")

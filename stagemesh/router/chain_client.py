@@ -132,7 +132,7 @@ class ChainSession:
     def __init__(self, chain: Chain, max_length: int, request_id: str, deadline: float | None = None,
                  wire_dtype: str = "", progress: Progress | None = None, sampling: Sampling | None = None,
                  keep_output: bool = False, prefix_ids: list[int] | None = None,
-                 history: Callable[[], list[int]] | None = None, prompt_length: int = 0):
+                 history: Callable[[], list[int]] | None = None, prompt_length: int = 0, cache_scope: str = ""):
         self.chain = chain
         # Penalties: the request's tokens so far (prompt, then generated) and how many are the prompt's, told the
         # last stage at every open (a repair's too) when the sampling has a penalty; it keeps them by position.
@@ -141,6 +141,7 @@ class ChainSession:
         # Prefix caching: what the session starts with (all but the last token it will be stepped with), told
         # every stage at open; each attaches what it has cached of it, and the session starts at the least.
         self.prefix_ids = prefix_ids or []
+        self.cache_scope = cache_scope  # whose blocks it may attach and leave (router/cache_scope.py)
         self.attached = 0  # positions every stage attached from its prefix cache at open
         self.keep_output = keep_output  # stages log what they send on, so that one stage can be repaired
         self.sampling = sampling or Sampling()  # told the last stage once, at open; a step may ask otherwise
@@ -186,10 +187,11 @@ class ChainSession:
         return request
 
     def prefix_salt(self, index: int) -> str:
-        """What stage index's inputs depend on besides the tokens: the model version, the wire dtype and the
-        stages before it (their addresses and layers); its cached blocks are shared under the same salt only."""
+        """Whose blocks they are (the caller's cache scope), and what stage index's inputs depend on besides the
+        tokens: the model version, the wire dtype and the stages before it (their addresses and layers); its cached
+        blocks are shared under the same salt only."""
         before = ",".join(f"{s.address}[{s.layer_start}:{s.layer_end}]" for s in self.chain.stages[:index])
-        return f"{self.chain.fingerprint}|{self.wire_dtype if index else ''}|{before}"
+        return f"{self.cache_scope}|{self.chain.fingerprint}|{self.wire_dtype if index else ''}|{before}"
 
     def _attached(self, cached: list[int]) -> None:
         """After the opens: the session starts where every stage has its positions (stages that attached more

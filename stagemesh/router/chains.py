@@ -73,6 +73,8 @@ class ChainSet:
         self.num_layers = num_layers
         # The router's own checkpoint's (checkpoint.model_fingerprint): a chain serving another is refused.
         self.model_digest = model_digest[:FINGERPRINT_DIGEST_CHARS]
+        # Other builds' digests the operator vouches for (--accept-fingerprints): a rolling weights update.
+        self.accepted: frozenset[str] = frozenset()
         self.prefill_chunk = prefill_chunk  # the router's --prefill-chunk, checked against each chain's budget
         self.on_change = on_change
         self.plan = ""
@@ -288,9 +290,10 @@ class ChainSet:
             raise ValueError(f"chain {chain.label} mixes builds of the model: its stages serve "
                              + ", ".join(f"{s.address} {i.fingerprint or '(none)'}"
                                          for s, i in zip(chain.stages, infos, strict=True)))
-        if fingerprint_digest(prints[0]) != self.model_digest:
-            raise ValueError(f"chain {chain.label} serves model {fingerprint_digest(prints[0]) or '(not reported)'}, "
-                             f"not this router's {self.model_digest} (the digest of its --model checkpoint)")
+        if (digest := fingerprint_digest(prints[0])) != self.model_digest and digest not in self.accepted:
+            raise ValueError(f"chain {chain.label} serves model {digest or '(not reported)'}, not this router's "
+                             f"{self.model_digest} (the digest of its --model checkpoint) nor one of "
+                             "--accept-fingerprints")
         if (version := fingerprint_protocol(prints[0])) != PROTOCOL_VERSION:
             raise ValueError(f"chain {chain.label} speaks stage protocol {version or '(none: an older build)'}, not "
                              f"this router's {PROTOCOL_VERSION}: run its stages and this router from one release")

@@ -70,6 +70,7 @@ class GenerationRequest:
     priority: int = 0
     deadline: float | None = None  # event-loop time by which the request must be done
     caller: str = ""  # its token's name (router.auth), "" on an open router
+    cache_scope: str = ""  # whose prefix-cache blocks it reads and fills (router/cache_scope.py)
 
     def log_extra(self, **more: str) -> dict[str, str]:
         """What the request's log lines carry: its id and its caller."""
@@ -195,7 +196,7 @@ async def generate(
             async with session_type(chain, max_length, req.request_id, req.deadline, config.wire_dtype,
                                     progress, sampling, keep_output=config.repair,
                                     prefix_ids=history[:-1], history=lambda: req.prompt_ids + generated,
-                                    prompt_length=len(req.prompt_ids)) as session:
+                                    prompt_length=len(req.prompt_ids), cache_scope=req.cache_scope) as session:
 
                 def last(token_ids: list[int], new_text: str, finish: str, logprobs: list[TokenLogprob]) -> Piece:
                     """The stream's last piece, with the usage."""

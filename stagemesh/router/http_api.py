@@ -34,6 +34,7 @@ from stagemesh import tracing
 from stagemesh.errors import REQUEST_ID_KEY, StatusError
 from stagemesh.request_limits import MAX_PROMPT_CHARS_PER_TOKEN, request_id_problem
 from stagemesh.router.auth import CALLER, GRANT, Grant, TokenAuth, check_call
+from stagemesh.router.cache_scope import caller_identity, peer_identity
 from stagemesh.router.http_requests import (
     MAX_BODY_BYTES,
     ApiError,
@@ -263,7 +264,8 @@ class HttpFront:
         else:
             set_prompt(proto, body.prompt)
         fill = proto.max_new_tokens == 0
-        first = await self.service.to_generation_request(proto, None, caller, fill_context=fill)
+        identity = caller_identity(grant, peer_identity(request.client.host if request.client else ""))
+        first = await self.service.to_generation_request(proto, None, caller, identity=identity, fill_context=fill)
         call.reqs = [first]
         for i in range(1, body.n):  # the same prompt's ids (tokenized once), each choice its own seed
             other = router_pb2.GenerateRequest()
@@ -273,7 +275,8 @@ class HttpFront:
             other.token_ids.extend(first.prompt_ids)
             if body.seed is not None:
                 other.seed = derived_seed(proto.seed, i)
-            call.reqs.append(await self.service.to_generation_request(other, None, caller, fill_context=fill))
+            call.reqs.append(await self.service.to_generation_request(other, None, caller, identity=identity,
+                                                                      fill_context=fill))
         call.choices = [Choice() for _ in call.reqs]
 
     async def _chat_prompt(self, body: ChatBody) -> list[int]:

@@ -114,6 +114,8 @@ class Sampling(_Body):
     priority: int | None = None
     return_token_ids: bool = False
     """vLLM's extension: each choice's token_ids, and the prompt's (prompt_token_ids)."""
+    cache_salt: str | None = None
+    """vLLM's extension: prefix-cache blocks are shared only between this caller's requests with the same salt."""
 
 
 class CompletionBody(Sampling):
@@ -215,6 +217,7 @@ def generate_request(body: CompletionBody | ChatBody, request_id: str, priority:
         stop_token_ids=body.stop_token_ids or (),
         ignore_eos=body.ignore_eos,
         min_tokens=body.min_tokens,
+        cache_salt=body.cache_salt or "",
     )
     max_tokens = body.max_completion_tokens or body.max_tokens if isinstance(body, ChatBody) else body.max_tokens
     proto.max_new_tokens = max_tokens or 0  # 0: the context left after the prompt (fill_context)

@@ -26,6 +26,7 @@ from stagemesh.request_limits import (
     request_id_problem,
 )
 from stagemesh.router.auth import CALLER, GRANT, NO_LIMITS
+from stagemesh.router.cache_scope import cache_scope, caller_identity, grpc_peer_identity
 from stagemesh.router.chains import ChainSet, NoUsableChain, kind, width
 from stagemesh.router.generation import GenerationConfig, GenerationRequest, generate
 from stagemesh.router.priority_queue import AdmissionRefused, PriorityAdmission, priority_class
@@ -59,9 +60,11 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self.model_name = model_name
 
     async def to_generation_request(self, request: router_pb2.GenerateRequest, deadline: float | None,
-                                    caller: str = "", *, fill_context: bool = False) -> GenerationRequest:
+                                    caller: str = "", *, identity: str,
+                                    fill_context: bool = False) -> GenerationRequest:
         """Checks everything a stage would refuse, and the bounds of request_limits, before any work. deadline: the
-        event-loop time by which the call must end (None: none); caller: its token's name (router.auth).
+        event-loop time by which the call must end (None: none); caller: its token's name (router.auth); identity:
+        whose prefix-cache blocks it may use (cache_scope.caller_identity).
         fill_context: max_new_tokens 0 asks for the context left after the prompt (the HTTP front, max_tokens
         left out); gRPC callers must ask for at least 1."""
         bad = grpc.StatusCode.INVALID_ARGUMENT
@@ -69,6 +72,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
             raise StatusError(bad, problem)
         if request.prompt and request.token_ids:
             raise StatusError(bad, "set either prompt or token_ids, not both")
+        scope = cache_scope(identity, request.cache_salt)
         try:
             check_sampling(request.temperature, request.top_k, request.top_p)
             check_processing(vocab_size=self.vocab_size, min_p=request.min_p,
@@ -139,6 +143,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
             priority=request.priority,
             deadline=deadline,
             caller=caller,
+            cache_scope=scope,
         )
 
     async def _stream(self, req: GenerationRequest) -> AsyncIterator[router_pb2.GenerateResponse]:
@@ -228,7 +233,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
 
     async def Generate(self, request, context):
         # Closed with the call, not when collected: _stream gives its admission slot back then.
-        req = await self.to_generation_request(request, call_deadline(context), CALLER.get())
+        req = await self.to_generation_request(request, call_deadline(context), CALLER.get(),
+                                               identity=caller_identity(GRANT.get(), grpc_peer_identity(context)))
         async with contextlib.aclosing(self._stream(req)) as responses:
             async for response in responses:
                 yield response
@@ -241,10 +247,11 @@ class RouterService(router_pb2_grpc.RouterServicer):
         # buffering their tokens.
         out: asyncio.Queue[router_pb2.GenerateBatchResponse | None] = asyncio.Queue(maxsize=64)
         abandoned = False  # the call ended: nobody reads `out` any more
+        identity = caller_identity(GRANT.get(), grpc_peer_identity(context))
 
         async def run(index: int, sub: router_pb2.GenerateRequest) -> None:
             try:
-                req = await self.to_generation_request(sub, call_deadline(context), CALLER.get())
+                req = await self.to_generation_request(sub, call_deadline(context), CALLER.get(), identity=identity)
                 async with contextlib.aclosing(self._stream(req)) as responses:
                     async for response in responses:
                         await out.put(router_pb2.GenerateBatchResponse(index=index, response=response))

@@ -12,7 +12,7 @@ from pathlib import Path
 import grpc
 
 from stagemesh import grpc_server, metrics, tls
-from stagemesh.checkpoint import model_fingerprint
+from stagemesh.checkpoint import model_fingerprint, read_accepted_digests
 from stagemesh.config_flags import PORT_RULE, refused
 from stagemesh.discovery.backends import open_registry, plaintext_hosts
 from stagemesh.errors import StatusInterceptor
@@ -127,6 +127,11 @@ class RouterConfig:
     """A JSON file of callers' tokens ({"tokens": [{"name", "token", "max_priority", "requests_per_second",
     "max_concurrent", "max_queued", "tokens_per_minute", "max_new_tokens"}]}): calls need 'authorization: Bearer
     <token>' (health and reflection stay open); reloaded on SIGHUP (default: no tokens, any caller)."""
+    accept_fingerprints: str | None = None
+    """A file of other builds' model fingerprints (one per line, as Stage/Info or ListChains shows them, or their
+    first part; "#" comments) whose chains this router serves too, besides its --model's: list the new weights' here
+    (same tokenizer) before a rolling weights update, so its chains are used as they come up; reloaded on SIGHUP.
+    A chain still never mixes builds (default: the --model's build only)."""
     plaintext: PlaintextConfig = field(default_factory=PlaintextConfig)
 
     def __post_init__(self) -> None:
@@ -211,6 +216,8 @@ class RouterServer:
                                long_prompt_tokens=config.long_prompt_tokens,
                                slots_per_chain=config.admission.slots_per_chain,
                                panic_threshold=config.panic_threshold)
+        if config.accept_fingerprints:
+            self.chains.accepted = read_accepted_digests(config.accept_fingerprints)
         for chain in self.chains.chains:
             chain.healthy = False  # until the first health check passes
         self.admission = PriorityAdmission(config.admission, lambda: len(self.chains.usable()))
@@ -281,6 +288,25 @@ class RouterServer:
         log.info(f"tokens reloaded from {self.auth.path}: {len(names)} caller(s): {', '.join(names)}")
         return True
 
+    def reload_fingerprints(self) -> bool:
+        """Reads --accept-fingerprints again (SIGHUP); a file that does not parse keeps the accepted ones in force.
+        The next health checks use or drop the chains of the builds it adds or removes."""
+        if not self.config.accept_fingerprints:
+            return False
+        try:
+            self.chains.accepted = read_accepted_digests(self.config.accept_fingerprints)
+        except (ValueError, OSError) as exc:
+            log.error(f"--accept-fingerprints not reloaded, the previous ones stay in force: {exc}")
+            return False
+        log.info(f"accepted fingerprints reloaded: {', '.join(sorted(self.chains.accepted)) or 'none'}")
+        return True
+
+    def reload(self) -> None:
+        """SIGHUP: the files read again without a restart."""
+        if self.auth is not None or not self.config.accept_fingerprints:
+            self.reload_tokens()  # says so when there is nothing to reload
+        self.reload_fingerprints()
+
     async def stop(self, grace: float | None = 1.0) -> None:
         self.stopping = True  # the HTTP front's /health turns 503 and it takes no new requests
         for task in self._tasks:
@@ -302,7 +328,7 @@ async def serve(config: RouterConfig) -> None:
     # and frames per token; an allocation loop over that heap ran 4x faster frozen).
     gc.collect()
     gc.freeze()
-    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, server.reload_tokens)
+    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, server.reload)
     print(f"router ready on {server.address}", flush=True)
     if server.http is not None:
         print(f"router HTTP (OpenAI-compatible) on {server.http.url}", flush=True)

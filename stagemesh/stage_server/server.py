@@ -174,10 +174,14 @@ class StageServer:
         return packed_weights.available(model)
 
     def load(self, layer_start: int, layer_end: int | None) -> StageModel:
-        """Reads the slice's weights (blocking: when serving, call it through in_compute)."""
+        """Reads the slice's weights (blocking: when serving, call it through in_compute), and what it serves: the
+        model digest of the checkpoint's files as they were read (model.fingerprint), taken before and after the
+        read (files replaced meanwhile: ValueError), so a slice loaded after new weights were put on disk
+        announces the new build, never the one the process started with."""
         if self.config.threads:
             torch.set_num_threads(self.config.threads)
         t0 = time.perf_counter()
+        digest = model_fingerprint(self.config.model)  # the files as they are now, not as they were at start
         dtype = TORCH_DTYPES[self.dtype]
         tp = None
         if self.config.tp > 1:  # the other ranks load their shards meanwhile
@@ -208,6 +212,10 @@ class StageServer:
             with torch.inference_mode():
                 for p in model.parameters():
                     p.sum()  # touches every page of the weights
+        if model_fingerprint(self.config.model) != digest:
+            raise ValueError(f"the checkpoint in {self.config.model} changed while layers {layer_start}:{layer_end} "
+                             "were read from it; load them again once its files are in place")
+        model.fingerprint = serving_fingerprint(digest, self.dtype, self.config.quantize)
         model.load_s = time.perf_counter() - t0
         rss, huge = psutil.Process().memory_info().rss, huge_pages.huge_page_bytes()
         log.info(f"loaded layers {model.layer_start}:{model.layer_end} in {model.load_s:.2f}s, "
@@ -220,6 +228,8 @@ class StageServer:
     async def activate(self, model: StageModel) -> None:
         """Serves model from now on; sessions of a previous slice are closed."""
         await self.deactivate()
+        # What the slice was read as: in Info from now, registered again by the caller (registration.py).
+        self.fingerprint = model.fingerprint or self.fingerprint
         config, args = self.config, model.args
         graphs = (not config.enforce_eager and model.device.type == "cuda" and not config.compile
                   and config.tp == 1)  # --compile has its own graphs; --tp ranks step together

@@ -26,6 +26,10 @@ whose keys match attaches those blocks at open instead of computing them, shared
 only positions past its session's length, and an attached block lies wholly before it. A block is freed
 when no session holds it, but stays indexed (evictable, least recently used first) until the pool needs it:
 evicting a cached block comes before preempting a session. A block's holders count once for admission.
+The first stage sees the tokens a session is stepped with: a block is registered there only if the tokens computed
+into it are the ones its key claims (check_tokens), so no caller can plant KV under another prompt's keys; the stages
+after it cannot check (their inputs are hidden states), but a chain starts where every stage has its blocks, and the
+first stage has none but true ones.
 """
 
 from __future__ import annotations
@@ -72,6 +76,8 @@ class SessionCache:
     prefix_keys: list[bytes] = field(default_factory=list, repr=False)
     """Prefix caching: the key of each full block of the tokens it was opened with (block i: positions
     i * block_size onward); its blocks are registered under them as they are computed."""
+    claimed: list[int] = field(default_factory=list, repr=False)
+    """The tokens its prefix_keys stand for (block_size per key): what check_tokens compares a step's tokens with."""
     attached: int = 0
     """Positions attached from the prefix cache at open (0: none); until its first step, all it holds."""
     registered: int = 0
@@ -175,11 +181,13 @@ class KVPool:
             keys.append(key)
         return keys
 
-    def allocate(self, max_length: int, prefix_keys: list[bytes] | None = None) -> SessionCache:
+    def allocate(self, max_length: int, prefix_keys: list[bytes] | None = None,
+                 claimed: list[int] | None = None) -> SessionCache:
         """Admits a session, attaching the cached blocks its prefix_keys lead with (no other block is taken
-        yet): refused when the reservations would pass the pool."""
+        yet): refused when the reservations would pass the pool. claimed: the tokens the keys stand for."""
         with self._lock:
-            cache = SessionCache(self, max_length, next(self._order), prefix_keys=list(prefix_keys or ()))
+            cache = SessionCache(self, max_length, next(self._order), prefix_keys=list(prefix_keys or ()),
+                                 claimed=list((claimed or [])[: len(prefix_keys or ()) * self.block_size]))
             attach = []
             for key in cache.prefix_keys[: (max_length - 1) // self.block_size]:  # a position is left to compute
                 if (block := self.cached.get(key)) is None:
@@ -202,6 +210,19 @@ class KVPool:
             self.caches[id(cache)] = cache
             self.peak_blocks_used = max(self.peak_blocks_used, self.blocks_used)
             return cache
+
+    def check_tokens(self, cache: SessionCache, start: int, token_ids: list[int]) -> None:
+        """The first stage, before a step's pass: if the step's tokens differ from those cache's keys claim for
+        positions start onward, the keys from the first block that differs are dropped (a later block's key chains
+        through it), so what this session computes there is never registered under another prompt's keys."""
+        end = min(start + len(token_ids), len(cache.claimed))
+        if start >= end or token_ids[: end - start] == cache.claimed[start:end]:
+            return
+        differs = next(p for p in range(start, end) if token_ids[p - start] != cache.claimed[p])
+        with self._lock:
+            keep = min(len(cache.prefix_keys), differs // self.block_size)
+            del cache.prefix_keys[keep:]
+            del cache.claimed[keep * self.block_size:]
 
     def rewind(self, cache: SessionCache, position: int) -> None:
         """cache keeps positions 0..position-1 and lets go of the blocks past them: a first step that starts

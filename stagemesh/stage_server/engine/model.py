@@ -193,6 +193,7 @@ class StageModel(nn.Module):
         self.rope_scale = rope_scale
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # rope_tables(), made on first use
         self.load_s = 0.0  # how long loading took (cold start), set by the stage server
+        self.fingerprint = ""  # what it serves (checkpoint.serving_fingerprint of the files read), set by the server
         # Decode passes' graph: --compile's (stage_server/engine/compiled.py).
         self.decode_graph = None
         # On CUDA, every pass's CUDA graph by bucket (stage_server/gpu/cuda_graphs.py); None: eager.

@@ -87,10 +87,10 @@ class SessionTable:
                 f"max_length {max_length} is outside 1..{self.max_position} (the longest session this stage admits: "
                 "the model's context, or its --max-model-len)"
             )
-        keys = []
+        keys: list[bytes] = []
         if self.prefix_cache and prefix_ids:  # only what the session can reach counts (the rest would cost hashing)
             keys = self.pool.prefix_keys(prefix_ids[: max_length - 1], prefix_salt)
-        cache = self.pool.allocate(max_length, keys)  # raises PoolExhausted
+        cache = self.pool.allocate(max_length, keys, prefix_ids)  # raises PoolExhausted
         # A log whose session starts past 0 (positions attached) drops itself at its first step: no next stage
         # can be rebuilt from it; one rewound to 0 at its first step (the chain's other stages had less) logs all.
         session = Session(session_id, request_id, cache, owner, route=route or Route(),

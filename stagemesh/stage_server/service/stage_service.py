@@ -339,6 +339,8 @@ class StageService(stage_pb2_grpc.StageServicer):
             raise StatusError(grpc.StatusCode.OUT_OF_RANGE,
                               f"step would reach position {request.start + n}, past the session's max_length "
                               f"{cache.capacity}")
+        if self.model.is_first and request.start < len(cache.claimed):  # its blocks hold the tokens they claim
+            self.sessions.pool.check_tokens(cache, request.start, inputs.tolist())
         sampling = None
         if self.model.is_last and not request.skip_sample:
             sampling = step_sampling(request, session.route.sampling, session.history, self.model.args.vocab_size)
