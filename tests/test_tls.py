@@ -34,9 +34,11 @@ PROMPT = [11, 12, 13, 14, 15, 16]
 
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory) -> dict[str, tls.Tls]:
-    """The mesh's certificates, and those of two other authorities (strangers, and a caller CA)."""
+    """A role-less mesh certificate (as before roles), and those of two other authorities (strangers, and a caller
+    CA)."""
     root = tmp_path_factory.mktemp("certs")
-    return {name: tls.load(make_certs(CertsConfig(str(root / name)))) for name in ("mesh", "other", "callers")}
+    return {name: tls.load(make_certs(CertsConfig(str(root / name), roles=["mesh"])))
+            for name in ("mesh", "other", "callers")}
 
 
 def stranger_channels(address: str, certs: dict[str, tls.Tls]) -> dict[str, grpc.aio.Channel]:
@@ -65,37 +67,55 @@ async def refused_by(address: str, certs: dict[str, tls.Tls], call) -> dict[str,
     return outcome
 
 
-def test_certs_makes_a_ca_and_a_mesh_certificate_for_server_and_client(tmp_path):
+def test_certs_makes_a_ca_and_one_certificate_per_role_for_server_and_client(tmp_path):
     root = tmp_path / "tls"
     cli.main(["certs", str(root), "--hosts", "10.0.0.5,stage-1.internal,::1"])
-    assert sorted(p.name for p in root.iterdir()) == ["ca-key.pem", "ca.pem", "mesh-key.pem", "mesh.pem"]
-    for key in ("ca-key.pem", "mesh-key.pem"):
+    roles = ("client", "router", "scheduler", "stage")
+    assert sorted(p.name for p in root.iterdir()) == sorted(
+        ["ca-key.pem", "ca.pem", *(f"{r}.pem" for r in roles), *(f"{r}-key.pem" for r in roles)])
+    for key in ("ca-key.pem", *(f"{r}-key.pem" for r in roles)):
         assert stat.S_IMODE((root / key).stat().st_mode) == 0o600, key
     assert stat.S_IMODE(root.stat().st_mode) == 0o700
-    cert = x509.load_pem_x509_certificate((root / "mesh.pem").read_bytes())
-    san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-    assert san.get_values_for_type(x509.DNSName) == ["stage-1.internal"]
-    assert san.get_values_for_type(x509.IPAddress) == [ipaddress.ip_address("10.0.0.5"), ipaddress.ip_address("::1")]
-    usage = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
-    assert set(usage) == {ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH}
-    assert not cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
     ca = x509.load_pem_x509_certificate((root / "ca.pem").read_bytes())
-    cert.verify_directly_issued_by(ca)
-    assert tls.load(root) is not None
+    for role in roles:
+        cert = x509.load_pem_x509_certificate((root / f"{role}.pem").read_bytes())
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        assert san.get_values_for_type(x509.DNSName) == ["stage-1.internal"]
+        assert san.get_values_for_type(x509.IPAddress) == [ipaddress.ip_address("10.0.0.5"),
+                                                           ipaddress.ip_address("::1")]
+        assert san.get_values_for_type(x509.UniformResourceIdentifier) == [f"stagemesh://role/{role}"]
+        assert cert.subject.get_attributes_for_oid(x509.NameOID.COMMON_NAME)[0].value == f"stagemesh-{role}"
+        usage = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+        assert set(usage) == {ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH}
+        assert not cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+        cert.verify_directly_issued_by(ca)
+        loaded = tls.load(root, role if role != "client" else None)
+        assert loaded.roles == {role} and loaded.cert_path == root / f"{role}.pem"
+    with pytest.raises(ValueError, match=r"stage.pem names the role\(s\) router, not stage"):
+        shutil.copy(root / "router.pem", root / "stage.pem")
+        shutil.copy(root / "router-key.pem", root / "stage-key.pem")
+        tls.load(root, "stage")
 
-    # Again, e.g. for more hosts: the CA stays (hosts keep trusting it), the mesh certificate is new.
+    # Again, e.g. for more hosts: the CA stays (hosts keep trusting it), the certificates are new; --out writes one
+    # host's stage certificate (and the CA to trust) elsewhere; --roles mesh the role-less one of earlier versions.
     ca_before = (root / "ca.pem").read_bytes()
     make_certs(CertsConfig(str(root)))
     assert (root / "ca.pem").read_bytes() == ca_before
-    again = x509.load_pem_x509_certificate((root / "mesh.pem").read_bytes())
-    assert again.serial_number != cert.serial_number
-    assert again.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
-        x509.DNSName) == ["localhost"]  # the default hosts: 127.0.0.1 and localhost
-    assert tls.load(root) is not None
+    host = tmp_path / "stage-b"
+    make_certs(CertsConfig(str(root), hosts=["stage-b.internal"], roles=["stage"], out=str(host)))
+    assert sorted(p.name for p in host.iterdir()) == ["ca.pem", "stage-key.pem", "stage.pem"]
+    assert tls.load(host, "stage").roles == {"stage"}
+    make_certs(CertsConfig(str(root), roles=["mesh"]))
+    mesh = tls.load(root, "router")  # router.pem is there: its own role wins over mesh.pem
+    assert mesh.roles == {"router"}
+    (root / "router.pem").unlink()
+    assert tls.load(root, "router").roles == frozenset()  # no role: every role (a warning at start)
+    with pytest.raises(ValueError, match="role 'admin': use router, stage, scheduler, client or mesh"):
+        CertsConfig(str(root), roles=["admin"])
 
 
 def test_a_wrong_tls_directory_is_refused_with_a_reason(tmp_path, certs):
-    with pytest.raises(FileNotFoundError, match="ca.pem, mesh.pem, mesh-key.pem missing there.*stagemesh certs"):
+    with pytest.raises(FileNotFoundError, match="ca.pem, client.pem, client-key.pem missing there.*stagemesh certs"):
         tls.load(tmp_path)
     mixed = tmp_path / "mixed"
     shutil.copytree(certs["mesh"].directory, mixed)
@@ -290,5 +310,5 @@ def test_a_kubernetes_tls_secret_mounted_as_it_is_is_a_tls_directory(tmp_path, c
     assert (loaded.ca, loaded.cert, loaded.key) == (certs["mesh"].ca, certs["mesh"].cert, certs["mesh"].key)
     assert loaded.ca_path == secret / "ca.crt"
     (secret / "tls.key").unlink()
-    with pytest.raises(FileNotFoundError, match="ca.pem, mesh.pem, mesh-key.pem missing there.*ca.crt, tls.crt"):
+    with pytest.raises(FileNotFoundError, match="ca.pem, client.pem, client-key.pem missing there.*ca.crt, tls.crt"):
         tls.load(secret)
