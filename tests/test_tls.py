@@ -21,7 +21,7 @@ from stagemesh.certs import CertsConfig, make_certs
 from stagemesh.discovery.backends import consul_target, open_registry
 from stagemesh.discovery.consul import ConsulRegistry
 from stagemesh.discovery.embedded import EmbeddedRegistryClient
-from stagemesh.discovery.registry import RegistryError
+from stagemesh.discovery.registry import RegistryError, ServiceRecord, chains_key, leader_key
 from stagemesh.launcher import start_local_mesh, wait_for_chains
 from stagemesh.registry.service import start_registry_server
 from stagemesh.router.server import RouterConfig, RouterServer
@@ -37,8 +37,13 @@ def certs(tmp_path_factory) -> dict[str, tls.Tls]:
     """A role-less mesh certificate (as before roles), and those of two other authorities (strangers, and a caller
     CA)."""
     root = tmp_path_factory.mktemp("certs")
-    return {name: tls.load(make_certs(CertsConfig(str(root / name), roles=["mesh"])))
+    made = {name: tls.load(make_certs(CertsConfig(str(root / name), roles=["mesh"])))
             for name in ("mesh", "other", "callers")}
+    # The role certificates, from the mesh's CA and in its directory: components started with that --tls take their
+    # own (router.pem, stage.pem, scheduler.pem), while "mesh" stays the role-less one (every role).
+    mesh_dir = make_certs(CertsConfig(str(root / "mesh")))
+    return {**made, **{role: tls.load(mesh_dir, role) for role in ("router", "stage", "scheduler")},
+            "client": tls.load(mesh_dir)}
 
 
 def stranger_channels(address: str, certs: dict[str, tls.Tls]) -> dict[str, grpc.aio.Channel]:
@@ -312,3 +317,82 @@ def test_a_kubernetes_tls_secret_mounted_as_it_is_is_a_tls_directory(tmp_path, c
     (secret / "tls.key").unlink()
     with pytest.raises(FileNotFoundError, match="ca.pem, client.pem, client-key.pem missing there.*ca.crt, tls.crt"):
         tls.load(secret)
+
+
+async def call_code(call) -> grpc.StatusCode:
+    """The status a call ended with (OK when it got through)."""
+    try:
+        await call
+    except grpc.aio.AioRpcError as exc:
+        return exc.code()
+    return grpc.StatusCode.OK
+
+
+async def test_a_stage_takes_sessions_only_from_routers_and_relays_only_from_stages(meshes, certs):
+    """With role certificates, a stage certificate (or an operator's) cannot open or step a session on a stage, a
+    router's cannot relay into one: PERMISSION_DENIED naming the role needed and the one presented."""
+    tls_mesh, _ = meshes
+    stage = tls_mesh.stages[0][0]
+    open_request = stage_pb2.OpenSessionRequest(session_id="roles-test", max_length=8)
+    for who in ("stage", "client"):
+        async with grpc_server.channel(stage.address, certs[who]) as channel:
+            stub = stage_pb2_grpc.StageStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.OpenSession(open_request, timeout=5)
+            assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED, who
+            assert "from a router certificate" in err.value.details() and f"role {who}" in err.value.details()
+            sessions = stub.Sessions(iter([stage_pb2.SessionBatch()]), timeout=5)
+            assert await call_code(sessions.read()) == grpc.StatusCode.PERMISSION_DENIED, who
+            assert (await stub.Info(stage_pb2.InfoRequest(), timeout=5)).layer_end > 0  # reads stay open
+    async with grpc_server.channel(stage.address, certs["router"]) as channel:
+        stub = stage_pb2_grpc.StageStub(channel)
+        assert await call_code(stub.OpenSession(open_request, timeout=5)) == grpc.StatusCode.OK
+        await stub.CloseSession(stage_pb2.CloseSessionRequest(session_id="roles-test"), timeout=5)
+        relay = stub.Relay(iter([stage_pb2.RelayBatch()]), timeout=5)
+        assert await call_code(relay.read()) == grpc.StatusCode.PERMISSION_DENIED
+    async with grpc_server.channel(stage.address, certs["mesh"]) as channel:  # role-less: every role, as before
+        stub = stage_pb2_grpc.StageStub(channel)
+        assert await call_code(stub.OpenSession(open_request, timeout=5)) == grpc.StatusCode.OK
+        await stub.CloseSession(stage_pb2.CloseSessionRequest(session_id="roles-test"), timeout=5)
+
+
+async def test_only_schedulers_write_the_registry_and_stages_only_their_own_records(certs, tmp_path):
+    """The embedded registry with role certificates: a stage's (or a router's) certificate cannot publish a chain
+    table, take or delete the leader lock; a router's cannot register a stage; a stage certificate naming one host
+    cannot register, renew or remove a stage at another host. Schedulers and stages do their own writes."""
+    server = await start_registry_server(tls=certs["scheduler"])
+    host_b = make_certs(CertsConfig(str(certs["scheduler"].directory), hosts=["stage-b.internal"], roles=["stage"],
+                                    out=str(tmp_path / "stage-b")))
+    clients = {who: EmbeddedRegistryClient(server.address, tls=t) for who, t in
+               (("scheduler", certs["scheduler"]), ("stage", certs["stage"]), ("router", certs["router"]),
+                ("stage-b", tls.load(host_b, "stage")))}
+    table, leader = chains_key("m"), leader_key("m")
+    stage_a = ServiceRecord("stage-a", "127.0.0.1:50061", "m")
+    try:
+        scheduler, stage, router, stage_b = clients.values()
+        assert await scheduler.acquire_lock(leader, "scheduler-secret-id", 10)
+        await scheduler.kv_put(table, b"{}")
+        await stage.register(stage_a, 10)
+        for who in ("stage", "router"):
+            client = clients[who]
+            for write in (client.kv_put(table, b'{"chains": []}'), client.kv_delete(leader),
+                          client.acquire_lock(leader, "another-id", 10), client.release_lock(leader, "x")):
+                with pytest.raises(RegistryError, match=f"PERMISSION_DENIED.*scheduler certificate.*role {who}"):
+                    await write
+        with pytest.raises(RegistryError, match="PERMISSION_DENIED.*stage certificate.*role router"):
+            await router.register(ServiceRecord("stage-r", "127.0.0.1:50062", "m"), 10)
+        for write in (stage_b.register(ServiceRecord("stage-a", "stage-b.internal:50061", "m"), 10),
+                      stage_b.register(ServiceRecord("stage-x", "127.0.0.1:50061", "m"), 10),
+                      stage_b.heartbeat("stage-a"), stage_b.deregister("stage-a")):
+            with pytest.raises(RegistryError, match="PERMISSION_DENIED.*names the hosts stage-b.internal, not 127"):
+                await write
+        await stage_b.register(ServiceRecord("stage-b", "stage-b.internal:50061", "m"), 10)  # its own host
+        assert await stage_b.heartbeat("stage-b")
+        assert (await scheduler.kv_get(table))[0] == b"{}"  # nothing the others tried took effect
+        assert await scheduler.lock_holder(leader) is not None
+        assert [s.record.address for s in await scheduler.services("m")] == ["127.0.0.1:50061",
+                                                                            "stage-b.internal:50061"]
+    finally:
+        for client in clients.values():
+            await client.close()
+        await server.stop(0)
