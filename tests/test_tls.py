@@ -5,14 +5,22 @@ by every stage and by the registry, and a TLS mesh serves the plaintext mesh's t
 from __future__ import annotations
 
 import asyncio
+import datetime
 import ipaddress
+import os
 import shutil
+import signal
+import socket
+import ssl
 import stat
+import time
+import urllib.request
 from pathlib import Path
 
 import grpc
 import pytest
 from cryptography import x509
+from cryptography.hazmat.primitives import serialization
 from cryptography.x509.oid import ExtendedKeyUsageOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -23,11 +31,13 @@ from stagemesh.discovery.consul import ConsulRegistry
 from stagemesh.discovery.embedded import EmbeddedRegistryClient
 from stagemesh.discovery.registry import RegistryError, ServiceRecord, chains_key, leader_key
 from stagemesh.launcher import start_local_mesh, wait_for_chains
+from stagemesh.processes import LocalMesh
 from stagemesh.registry.service import start_registry_server
 from stagemesh.router.server import RouterConfig, RouterServer
 from stagemesh.scheduler.server import print_plan
 from stagemesh.v1 import registry_pb2, registry_pb2_grpc, router_pb2, router_pb2_grpc, stage_pb2, stage_pb2_grpc
 from tests.conftest import collect, hf_greedy, splits, start_mesh
+from tests.harness.fault_mesh import free_port
 
 PROMPT = [11, 12, 13, 14, 15, 16]
 
@@ -123,7 +133,9 @@ def test_a_wrong_tls_directory_is_refused_with_a_reason(tmp_path, certs):
     with pytest.raises(FileNotFoundError, match="ca.pem, client.pem, client-key.pem missing there.*stagemesh certs"):
         tls.load(tmp_path)
     mixed = tmp_path / "mixed"
-    shutil.copytree(certs["mesh"].directory, mixed)
+    mixed.mkdir()
+    for name in ("ca.pem", "mesh-key.pem"):
+        shutil.copy(certs["mesh"].directory / name, mixed / name)
     shutil.copy(certs["other"].directory / "mesh.pem", mixed / "mesh.pem")
     with pytest.raises(ValueError, match="mesh.pem was not issued by ca.pem"):
         tls.load(mixed)
@@ -396,3 +408,69 @@ async def test_only_schedulers_write_the_registry_and_stages_only_their_own_reco
         for client in clients.values():
             await client.close()
         await server.stop(0)
+
+
+def served_certificate(address: str, client: tls.Tls) -> x509.Certificate:
+    """The certificate a server presents to a new connection now (a handshake of its own, as gRPC's would)."""
+    context = ssl.create_default_context(cadata=client.ca.decode())
+    context.load_cert_chain(client.cert_path, client.key_path)
+    context.set_alpn_protocols(["h2"])
+    host, port = address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as raw, \
+            context.wrap_socket(raw, server_hostname=host) as conn:
+        return x509.load_der_x509_certificate(conn.getpeercert(binary_form=True))
+
+
+def expiry_gauge(metrics_port: int, role: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    line = next(x for x in text.splitlines() if x.startswith(f'stagemesh_tls_cert_expiry_seconds{{role="{role}"}}'))
+    return float(line.split()[-1])
+
+
+def test_sighup_reloads_the_certificate_for_new_connections_and_keeps_open_streams(certs, tiny_model, tmp_path):
+    """`stagemesh scheduler --registry local --tls DIR`: the hosted registry serves scheduler.pem and exports its
+    expiry; after new files and SIGHUP a new connection gets the new certificate (and the gauge its expiry) while a
+    watch opened before the reload still answers on its connection."""
+    directory = tmp_path / "tls"
+    shutil.copytree(certs["mesh"].directory, directory)
+    first = certs["scheduler"]
+    metrics_port = free_port()
+    mesh = LocalMesh(str(tiny_model), tmp_path)
+    proc = mesh.spawn("scheduler", ["scheduler", "--model", str(tiny_model), "--registry", "local", "--registry-port",
+                                    "0", "--metrics-port", str(metrics_port), "--tls", str(directory)],
+                      dict(os.environ), timeout=60)
+    address = proc.address
+    try:
+        served = served_certificate(address, certs["client"])
+        assert served.public_bytes(serialization.Encoding.PEM) == first.cert
+        assert expiry_gauge(metrics_port, "scheduler") == first.not_after.timestamp()
+
+        async def watch_across_reload() -> bytes:
+            key = "stagemesh/reload/k"
+            async with grpc_server.channel(address, certs["client"]) as channel:
+                stub = registry_pb2_grpc.RegistryStub(channel)
+                index = (await stub.KvGet(registry_pb2.KvGetRequest(key=key), timeout=5)).index
+                watch = stub.WatchKey(registry_pb2.WatchKeyRequest(key=key, index=index, timeout_s=30), timeout=60)
+                # New files (a shorter validity: another notAfter), then SIGHUP.
+                make_certs(CertsConfig(str(directory), roles=["scheduler"], days=30))
+                proc.popen.send_signal(signal.SIGHUP)
+                renewed = (directory / "scheduler.pem").read_bytes()
+                deadline = time.monotonic() + 30
+                while served_certificate(address, certs["client"]).public_bytes(serialization.Encoding.PEM) != renewed:
+                    assert time.monotonic() < deadline, "the new certificate was not served after SIGHUP"
+                    await asyncio.sleep(0.1)
+                writer = EmbeddedRegistryClient(address, tls=tls.load(directory, "scheduler"))  # a new connection
+                try:
+                    await writer.kv_put(key, b"after the reload")
+                finally:
+                    await writer.close()
+                return (await watch).entry.value
+
+        assert asyncio.run(watch_across_reload()) == b"after the reload"
+        renewed = tls.load(directory, "scheduler")
+        assert renewed.not_after < first.not_after - datetime.timedelta(days=300)
+        assert expiry_gauge(metrics_port, "scheduler") == renewed.not_after.timestamp()
+        assert proc.running()
+    finally:
+        mesh.stop()
