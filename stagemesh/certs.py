@@ -64,11 +64,12 @@ def _is_ip(host: str) -> bool:
 
 @dataclass
 class CertsConfig:
-    """`stagemesh certs`: where to write the CA and the mesh certificate, and whom it names."""
+    """`stagemesh certs`: where to write the CA and the role certificates, and whom they name."""
 
     directory: str = field(metadata={POSITIONAL: True, METAVAR: "DIR"})
-    """Where to write ca.pem, mesh.pem, mesh-key.pem (what every host's --tls DIR holds) and ca-key.pem
-    (keep it here, off the hosts); a CA already there is kept and only the mesh certificate is reissued."""
+    """Where to write ca.pem, <role>.pem and <role>-key.pem (what a host's --tls DIR holds: ca.pem and its roles'
+    files) and ca-key.pem (keep it here, off the hosts); a CA already there is kept and only the certificates are
+    reissued."""
     hosts: list[str] = field(default_factory=lambda: ["127.0.0.1", "localhost"],
                              metadata={TYPE: parse_hosts, METAVAR: "H1,H2,..."})
     """Every host name and IP address peers dial (routers dial stages by the address they announce;

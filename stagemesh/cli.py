@@ -126,7 +126,8 @@ COMMANDS = {
                   "and restart any that exits"),
     "roll": Command(RollConfig, run_roll, "restart every stage of a running `stagemesh up`, one by one, each "
                     "drained first: a rolling update without a failed request"),
-    "certs": Command(CertsConfig, run_certs, "make a CA and the mesh certificate for --tls"),
+    "certs": Command(CertsConfig, run_certs, "make a CA and one certificate per role (router, stage, scheduler, "
+                     "client) for --tls"),
     "kernels": Command(KernelsConfig, run_kernels, "build the CPU kernels now (after install, or in an image "
                        "build), so that no stage's first start pays for it"),
     "bench": Command(BenchConfig, run_bench, "load a running router (gRPC or HTTP) and report TTFT, time per "
