@@ -255,6 +255,26 @@ def san_values(cert: x509.Certificate, kind: type) -> list:
         return []
 
 
+def is_key_of(key, cert: x509.Certificate) -> bool:
+    """Whether key (a private key) is the key of cert: a mismatched pair would fail every handshake."""
+    spki = serialization.PublicFormat.SubjectPublicKeyInfo
+    return key.public_key().public_bytes(serialization.Encoding.DER, spki) == \
+        cert.public_key().public_bytes(serialization.Encoding.DER, spki)
+
+
+def certificate_pair(cert_path: str | Path, key_path: str | Path, what: str) -> tuple[bytes, bytes, x509.Certificate]:
+    """A certificate (chain) and its key, read and checked to belong together (what: the flag, for the error)."""
+    cert_pem, key_pem = read_file(cert_path, what), read_file(key_path, f"{what}'s key")
+    try:
+        cert = x509.load_pem_x509_certificate(cert_pem)
+        key = serialization.load_pem_private_key(key_pem, password=None)
+    except ValueError as exc:
+        raise ValueError(f"{what} {cert_path}: not a PEM certificate with an unencrypted PEM key ({exc})") from None
+    if not is_key_of(key, cert):
+        raise ValueError(f"{what}: {key_path} is not the key of {cert_path}")
+    return cert_pem, key_pem, cert
+
+
 def check(directory: Path, ca_pem: bytes, cert_pem: bytes, key_pem: bytes,
           names: tuple[str, str, str]) -> x509.Certificate:
     """The certificate, parsed; ValueError when the files do not make a working identity."""
@@ -271,8 +291,7 @@ def check(directory: Path, ca_pem: bytes, cert_pem: bytes, key_pem: bytes,
     except (ValueError, TypeError, InvalidSignature):
         raise ValueError(f"{where}: {cert_file} was not issued by {ca_file}; make both with `stagemesh certs`, "
                          f"or put the CA that issued it in {ca_file}") from None
-    if key.public_key().public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo) != \
-            cert.public_key().public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo):
+    if not is_key_of(key, cert):
         raise ValueError(f"{where}: {key_file} is not the key of {cert_file}")
     now = datetime.datetime.now(datetime.UTC)
     for name, c in ((ca_file, ca), (cert_file, cert)):

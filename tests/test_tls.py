@@ -23,6 +23,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.x509.oid import ExtendedKeyUsageOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client import REGISTRY
 
 from stagemesh import cli, grpc_server, tls
 from stagemesh.certs import CertsConfig, make_certs
@@ -35,6 +36,7 @@ from stagemesh.processes import LocalMesh
 from stagemesh.registry.service import start_registry_server
 from stagemesh.router.server import RouterConfig, RouterServer
 from stagemesh.scheduler.server import print_plan
+from stagemesh.signals import on_reload
 from stagemesh.v1 import registry_pb2, registry_pb2_grpc, router_pb2, router_pb2_grpc, stage_pb2, stage_pb2_grpc
 from tests.conftest import collect, hf_greedy, splits, start_mesh
 from tests.harness.fault_mesh import free_port
@@ -474,3 +476,69 @@ def test_sighup_reloads_the_certificate_for_new_connections_and_keeps_open_strea
         assert proc.running()
     finally:
         mesh.stop()
+
+
+async def test_the_router_serves_its_own_certificate_on_both_fronts_and_renews_it_on_sighup(certs, tiny_model,
+                                                                                             tmp_path):
+    """A router with --tls DIR and --http-port: the gRPC and HTTP ports serve router.pem (not the role-less mesh.pem
+    beside it); after new files and SIGHUP (its handler as `stagemesh router` installs it) new connections get the
+    new one on both, an HTTP connection opened before still answers, and the expiry gauge follows."""
+    directory = tmp_path / "tls"
+    shutil.copytree(certs["mesh"].directory, directory)
+    first = certs["router"]
+    router = RouterServer(RouterConfig(model=str(tiny_model), chains=[f"127.0.0.1:{free_port()}"], port=0,
+                                       http_port=free_port(), tls=str(directory)))
+    await router.start()
+    loop = asyncio.get_running_loop()
+    on_reload(router.reload)
+    fronts = [router.address, f"127.0.0.1:{router.http.port}"]
+
+    async def served() -> list[bytes]:  # handshakes in a thread: this loop serves them
+        return [(await asyncio.to_thread(served_certificate, a, certs["client"])).public_bytes(
+            serialization.Encoding.PEM) for a in fronts]
+
+    try:
+        assert await served() == [first.cert, first.cert]
+        assert expiry_gauge_here("router") == first.not_after.timestamp()
+        context = ssl.create_default_context(cadata=first.ca.decode())
+        with await asyncio.to_thread(lambda: context.wrap_socket(socket.create_connection(
+                ("127.0.0.1", router.http.port), timeout=5), server_hostname="127.0.0.1")) as before:
+            assert (await asyncio.to_thread(http_health, before)).startswith(b"HTTP/1.1 ")
+            make_certs(CertsConfig(str(directory), roles=["router"], days=30))
+            os.kill(os.getpid(), signal.SIGHUP)
+            renewed = tls.load(directory, "router")
+            deadline = time.monotonic() + 30
+            while await served() != [renewed.cert, renewed.cert]:
+                assert time.monotonic() < deadline, "the new certificate was not served after SIGHUP"
+                await asyncio.sleep(0.1)
+            assert (await asyncio.to_thread(http_health, before)).startswith(b"HTTP/1.1 ")  # it goes on
+        assert renewed.not_after < first.not_after - datetime.timedelta(days=300)
+        assert expiry_gauge_here("router") == renewed.not_after.timestamp()
+    finally:
+        loop.remove_signal_handler(signal.SIGHUP)
+        await router.stop(0)
+
+
+def expiry_gauge_here(role: str) -> float | None:
+    """stagemesh_tls_cert_expiry_seconds{role} of this process."""
+    return REGISTRY.get_sample_value("stagemesh_tls_cert_expiry_seconds", {"role": role})
+
+
+def http_health(conn: ssl.SSLSocket) -> bytes:
+    """GET /health on an open keep-alive connection: the status line and headers of the answer."""
+    conn.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    answer = b""
+    while b"\r\n\r\n" not in answer and len(answer) < 65536:
+        chunk = conn.recv(4096)
+        if not chunk:
+            break
+        answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(
+        b"content-length:")), 0)
+    while len(body) < length:  # read the body too, so that the next request starts clean
+        chunk = conn.recv(4096)
+        if not chunk:
+            break
+        body += chunk
+    return head

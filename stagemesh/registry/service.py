@@ -180,8 +180,7 @@ async def start_registry_server(host: str = "127.0.0.1", port: int = 0, registry
 async def serve_registry(host: str, port: int, tls: Tls | None = None) -> None:
     """`stagemesh registry`: the embedded registry on its own, until a signal."""
     server = await start_registry_server(host, port, tls=tls)
-    if tls is not None:
-        on_reload(tls.reload)
+    on_reload(tls and tls.reload)
     print(f"registry ready on {server.address}", flush=True)
     await until_signalled()
     await server.stop()

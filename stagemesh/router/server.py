@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
-from cryptography import x509
 
 from stagemesh import grpc_server, metrics, tls
 from stagemesh.checkpoint import model_fingerprint
@@ -192,16 +191,14 @@ class PublicCert:
         if not self.config.public_cert or not self.config.public_key:
             return True
         try:
-            cert = tls.read_file(self.config.public_cert, "--public-cert")
-            key = tls.read_file(self.config.public_key, "--public-key")
-            expiry = x509.load_pem_x509_certificate(cert).not_valid_after_utc
+            cert, key, parsed = tls.certificate_pair(self.config.public_cert, self.config.public_key, "--public-cert")
         except (ValueError, OSError) as exc:
             if self.own is None:
                 raise
             log.error(f"--public-cert not reloaded, the one in force stays: {exc}")
             return False
         self.own = cert, key
-        metrics.TLS_CERT_EXPIRY.labels("public").set(expiry.timestamp())
+        metrics.TLS_CERT_EXPIRY.labels("public").set(parsed.not_valid_after_utc.timestamp())
         return True
 
     def current(self) -> tuple[bytes, bytes, bytes | None]:
@@ -296,10 +293,14 @@ class RouterServer:
         log.info(f"router on {self.address}: {usable} of {len(self.chains.chains)} chains usable{http}")
 
     def reload(self) -> None:
-        """SIGHUP: the certificates (the mesh one, --public-cert) and --auth-tokens, each kept if its files fail."""
-        if self.tls is not None:
-            self.tls.reload()
-        self.public.reload()
+        """SIGHUP: the certificates (the router's, --public-cert; both fronts) and --auth-tokens, each kept if its files
+        fail."""
+        renewed = self.tls.reload() if self.tls is not None else False
+        if self.public.reload() and (renewed or self.public.own) and self.http is not None:
+            try:
+                self.http.reload_certificate()  # the files just checked
+            except OSError as exc:  # ssl.SSLError: the files changed again since; the pair in force stays
+                log.error(f"the HTTP front's certificate not reloaded: {exc}")
         if self.auth is not None:
             self.reload_tokens()
 

@@ -45,8 +45,7 @@ async def serve_scheduler(config: SchedulerConfig, registry_url: str, tls: Tls |
     registry = open_registry(registry_url, tls)
     scheduler = Scheduler(config, registry, tls)
     task = asyncio.get_running_loop().create_task(scheduler.run())
-    if tls is not None:
-        on_reload(tls.reload)  # the hosted registry serves the same Tls: one reload renews both
+    on_reload(tls and tls.reload)  # the hosted registry serves the same Tls: one reload renews both
     print(f"scheduler ready ({config.scheduler_id}, registry {registry_url})", flush=True)
     await until_signalled()
     log.info("stopping: the leader lock is released for a standby")

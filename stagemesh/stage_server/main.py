@@ -36,8 +36,7 @@ async def serve(config: StageConfig) -> None:
                                                        devices=config.devices or local_devices(server.device)),
                                     fixed=config.layer_start is not None)
         await registration.start()
-    if server.tls is not None:
-        on_reload(server.tls.reload)
+    on_reload(server.tls and server.tls.reload)
     print(f"stage ready on {server.address}", flush=True)
     await until_signalled()
     # Drain: out of the registry (the scheduler withdraws its chains), NOT_SERVING, no new calls;
