@@ -1,11 +1,12 @@
 """Who may call what, from the role its mesh certificate names (stagemesh://role/<role>, stagemesh/certs.py).
 
-Each TLS server installs one RoleInterceptor with its policy: a method listed there answers PERMISSION_DENIED,
-naming the role it needs and the one the caller presented, to a certificate without that role; a method not listed
-(Info, reads, health) stays open to every holder of a certificate from the mesh CA, as the handshake already
-requires. A certificate naming no role (the mesh.pem of earlier versions) is every role. The role is read from
-the peer's certificate in gRPC's auth context, which the CA-checked handshake filled: a caller cannot claim it.
-"""
+Each TLS server installs one RoleInterceptor with its services' policies (ServicePolicy): a method held to a role
+answers PERMISSION_DENIED, naming the role it needs and the one the caller presented, to a certificate without that
+role; the methods a policy leaves open (Info, reads) and other services (health, reflection) take every holder of a
+certificate from the mesh CA, as the handshake already requires. A policy is closed by default: a method not listed
+is held to its default role. A certificate naming no role (the mesh.pem of earlier versions) is every role. The role
+is read from the peer's certificate in gRPC's auth context, which the CA-checked handshake filled: a caller cannot
+claim it."""
 
 from __future__ import annotations
 
@@ -88,18 +89,37 @@ def names_host(peer: Peer | None, host: str) -> bool:
     return False
 
 
-class RoleInterceptor(grpc.aio.ServerInterceptor):
-    """Holds each method in policy ("/pkg.Service/Method" -> the roles that may call it) to those roles, before
-    its handler sees a message; installed only on TLS servers."""
+@dataclass(frozen=True)
+class ServicePolicy:
+    """Who may call one service's methods: those in `methods` the role named there (None: any certificate from the
+    CA: reads), every other method `default`. Closed by default: a method added to the service later is held to
+    `default` until it is listed."""
 
-    def __init__(self, policy: Mapping[str, frozenset[str]]):
-        self.policy = dict(policy)
+    service: str
+    """The full service name, e.g. stagemesh.v1.Registry."""
+    default: str
+    methods: Mapping[str, str | None]
+
+    def allowed(self, method: str) -> frozenset[str]:
+        """The roles that may call method (its name alone); empty: any certificate from the CA."""
+        role = self.methods.get(method, self.default)
+        return frozenset([role]) if role else frozenset()
+
+
+class RoleInterceptor(grpc.aio.ServerInterceptor):
+    """Holds each method of the services in policy to its roles, before its handler sees a message; installed only
+    on TLS servers."""
+
+    def __init__(self, *policies: ServicePolicy):
+        self.policies = {f"/{p.service}": p for p in policies}
 
     async def intercept_service(self, continuation: Continuation,
                                 details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
         handler = await continuation(details)
-        allowed = self.policy.get(details.method)
-        if handler is None or allowed is None:
+        service, _, name = details.method.rpartition("/")
+        policy = self.policies.get(service)
+        allowed = policy.allowed(name) if policy is not None else frozenset()
+        if handler is None or not allowed:
             return handler
         method = details.method.lstrip("/")
         return _checked(handler, lambda context: require(context, method, allowed))
@@ -122,8 +142,3 @@ def _checked(handler: grpc.RpcMethodHandler, check: Callable[[Any], Any]) -> grp
     make = getattr(grpc, f"{kind}_rpc_method_handler")
     return make(wrapped, request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer)
-
-
-def policy(service: str, roles: Mapping[str, str]) -> dict[str, frozenset[str]]:
-    """{"/service/Method": {role}} from {"Method": role}."""
-    return {f"/{service}/{method}": frozenset([role]) for method, role in roles.items()}

@@ -377,7 +377,7 @@ async def test_only_schedulers_write_the_registry_and_stages_only_their_own_reco
     server = await start_registry_server(tls=certs["scheduler"])
     host_b = make_certs(CertsConfig(str(certs["scheduler"].directory), hosts=["stage-b.internal"], roles=["stage"],
                                     out=str(tmp_path / "stage-b")))
-    clients = {who: EmbeddedRegistryClient(server.address, tls=t) for who, t in
+    clients = {who: EmbeddedRegistryClient(server.address, call_timeout_s=60, tls=t) for who, t in
                (("scheduler", certs["scheduler"]), ("stage", certs["stage"]), ("router", certs["router"]),
                 ("stage-b", tls.load(host_b, "stage")))}
     table, leader = chains_key("m"), leader_key("m")

@@ -29,11 +29,12 @@ delete of a held lock's key, FAILED_PRECONDITION.
 The server hosting the service answers with these through its StatusInterceptor."""
 
 
-ROLE_POLICY = roles.policy(SERVICE_NAME, {
-    **dict.fromkeys(("KvPut", "KvDelete", "AcquireLock", "RenewLock", "ReleaseLock"), "scheduler"),
-    **dict.fromkeys(("Register", "Heartbeat", "Deregister"), "stage")})
-"""With TLS: the chain table, assignments and the leader lock are written by schedulers only, stage records by
-stages only (and only at the hosts their certificate names: _check_stage_host); reads by any mesh certificate."""
+ROLE_POLICY = roles.ServicePolicy(SERVICE_NAME, "scheduler", {
+    **dict.fromkeys(("Register", "Heartbeat", "Deregister"), "stage"),
+    **dict.fromkeys(("ListServices", "WatchServices", "KvGet", "KvList", "WatchKey", "WatchPrefix", "LockHolder"))})
+"""With TLS: every write (the chain table, assignments, the leader lock; any write added later) is a scheduler's,
+stage records are stages' (and only at the hosts their certificate names: _check_stage_host); reads take any mesh
+certificate."""
 
 
 class RegistryService(registry_pb2_grpc.RegistryServicer):

@@ -115,11 +115,10 @@ class StageSlot(stage_pb2_grpc.StageServicer):
             yield chunk
 
 
-ROLE_POLICY = roles.policy(stage_pb2.DESCRIPTOR.services_by_name["Stage"].full_name, {
-    **dict.fromkeys(("OpenSession", "Sessions", "Forward", "CloseSession", "ReadOutput"), "router"),
-    "Relay": "stage"})
-"""With TLS: sessions only from routers, the hop between two stages only from stages; Info and health from any
-mesh certificate."""
+ROLE_POLICY = roles.ServicePolicy(stage_pb2.DESCRIPTOR.services_by_name["Stage"].full_name, "router",
+                                  {"Relay": "stage", "Info": None})
+"""With TLS: sessions (every RPC but these two, any added later included) only from routers, the hop between two
+stages only from stages; Info (and health, another service) from any mesh certificate."""
 
 
 class StageServer:
