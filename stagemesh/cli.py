@@ -82,7 +82,7 @@ def run_router(config: RouterConfig) -> None:
 
 def run_registry(config: RegistryConfig) -> None:
     setup_tracing("stagemesh-registry", config.tracing.otlp_endpoint)
-    _run(serve_registry(config.host, config.port, tls.load(config.tls)))
+    _run(serve_registry(config.host, config.port, tls.load(config.tls, "scheduler")))
 
 
 def run_scheduler(config: SchedulerConfig) -> None:
@@ -92,7 +92,7 @@ def run_scheduler(config: SchedulerConfig) -> None:
 
 async def _scheduler_hosting_registry(config: SchedulerConfig) -> None:
     """--registry local hosts the embedded registry in this process, on --host and --registry-port."""
-    registry_url, hosted, mesh_tls = config.registry, None, tls.load(config.tls)
+    registry_url, hosted, mesh_tls = config.registry, None, tls.load(config.tls, "scheduler")
     if registry_url == "local":
         hosted = await start_registry_server(config.host, config.registry_port, tls=mesh_tls)
         registry_url = f"local://{hosted.address}"
@@ -126,7 +126,8 @@ COMMANDS = {
                   "and restart any that exits"),
     "roll": Command(RollConfig, run_roll, "restart every stage of a running `stagemesh up`, one by one, each "
                     "drained first: a rolling update without a failed request"),
-    "certs": Command(CertsConfig, run_certs, "make a CA and the mesh certificate for --tls"),
+    "certs": Command(CertsConfig, run_certs, "make a CA and one certificate per role (router, stage, scheduler, "
+                     "client) for --tls"),
     "kernels": Command(KernelsConfig, run_kernels, "build the CPU kernels now (after install, or in an image "
                        "build), so that no stage's first start pays for it"),
     "bench": Command(BenchConfig, run_bench, "load a running router (gRPC or HTTP) and report TTFT, time per "

@@ -266,6 +266,7 @@ def run_up(config: UpConfig) -> None:
         _print_welcome(model, mesh, router, chains, supervisor, config.tls, config.http_port)
         signal.signal(signal.SIGINT, on_signal)
         signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGHUP, lambda *_: mesh.send_signal(signal.SIGHUP))  # reload: certificates, tokens
         supervisor.run(stop)
     finally:
         stop.set()  # from now on a signal kills at once

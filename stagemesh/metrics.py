@@ -21,6 +21,11 @@ BUILD_INFO = Gauge("stagemesh_build_info",
                    "per-model view",
                    ["component", "model", "version"])
 
+TLS_CERT_EXPIRY = Gauge("stagemesh_tls_cert_expiry_seconds",
+                        "When the certificate this process presents expires (notAfter, seconds since the epoch), by "
+                        "role (router, stage, scheduler, client; public: the router's --public-cert); alert well "
+                        "before it, renew the files and send SIGHUP", ["role"])
+
 
 def version() -> str:
     try:

@@ -126,6 +126,12 @@ class LocalMesh:
         self.processes[self.processes.index(old)] = new
         self.retired.append(old)
 
+    def send_signal(self, sig: int) -> None:
+        """Sends sig to every process still running (SIGHUP: each reads its certificates and tokens again)."""
+        for proc in self.processes:
+            if proc.running():
+                proc.popen.send_signal(sig)
+
     def shutdown(self, wait_s: float = 10.0) -> None:
         """SIGTERM to the router(s), wait for them (they drain), then the stages, then the scheduler; a
         group's stragglers are killed after wait_s."""

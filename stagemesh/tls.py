@@ -1,11 +1,13 @@
-"""Mutual TLS between stagemesh's components: one private CA, one mesh certificate every component
-presents as server and as client (`stagemesh certs` makes them; stagemesh/certs.py).
+"""Mutual TLS between stagemesh's components: one private CA, and one certificate per role (router, stage,
+scheduler, and client for operators' tools), each naming its role (`stagemesh certs` makes them; stagemesh/certs.py;
+stagemesh/roles.py checks them on every call).
 
-A `--tls DIR` names a directory holding ca.pem, mesh.pem and mesh-key.pem, or the same three under the names a
-Kubernetes TLS secret (cert-manager's) mounts them with: ca.crt, tls.crt and tls.key. It is read once, when a
-server or client starts, and checked here (files present, the certificate issued by the CA, the key
-its own, not expired), so that a wrong directory stops the process with a message instead of every
-handshake failing later without one.
+A `--tls DIR` names a directory holding ca.pem and the component's <role>.pem and <role>-key.pem; or, as before
+roles, one mesh.pem and mesh-key.pem that every component presents (a certificate naming no role is every role:
+accepted, with a warning at start); or the same three under the names a Kubernetes TLS secret (cert-manager's) mounts
+them with: ca.crt, tls.crt and tls.key. It is checked when read (files present, the certificate issued by the CA, the
+key its own, not expired), so that a wrong directory stops the process with a message instead of every handshake
+failing later without one; SIGHUP reads it again (Tls.reload), for new handshakes and new channels.
 """
 
 from __future__ import annotations
@@ -14,13 +16,16 @@ import datetime
 import ipaddress
 import logging
 import stat
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
+
+from stagemesh import metrics
 
 log = logging.getLogger("stagemesh.tls")
 
@@ -32,6 +37,10 @@ KEY_FILE = "mesh-key.pem"
 """mesh.pem's private key: readable by its owner only."""
 SECRET_FILES = ("ca.crt", "tls.crt", "tls.key")
 """The same three as a kubernetes.io/tls secret (cert-manager's) holds them: CA, certificate, key."""
+ROLES = ("router", "stage", "scheduler", "client")
+"""What `stagemesh certs` issues a certificate for: the three components, and operators' tools (reads only)."""
+ROLE_URI = "stagemesh://role/"
+"""A certificate names its role as the URI subjectAltName stagemesh://role/<role>."""
 CA_KEY_FILE = "ca-key.pem"
 """The CA's private key, kept where `stagemesh certs` ran (it issues new mesh certificates); no host needs it."""
 
@@ -91,38 +100,101 @@ def refuse_plaintext(secured: bool, insecure: bool, listens: tuple[str, ...] = (
                                  "network itself is trusted or encrypted (a service mesh)")
 
 
-@dataclass(frozen=True)
 class Tls:
-    """A --tls directory, read and checked: what servers present and require, and what clients present."""
+    """A --tls directory, read and checked: what servers present and require, and what clients present.
 
-    directory: Path
-    ca: bytes
-    cert: bytes
-    key: bytes = field(repr=False)
+    Mutable on purpose: reload() (SIGHUP) swaps the certificate and key in place, so every holder's next channel
+    presents the new one, and a server made with server_credentials() hands it to its next handshake (connections
+    already up keep theirs)."""
+
+    def __init__(self, directory: Path, role: str | None, names: tuple[str, str, str]):
+        self.directory = directory
+        self.role = role
+        """The role this component asked for (None: an operator's tool, which takes client.pem)."""
+        self._names = names
+        self.ca = self.cert = self.key = b""
+        self.roles: frozenset[str] = frozenset()
+        """The roles its certificate names (ROLE_URI); empty: a role-less mesh certificate, every role."""
+        self.not_after = datetime.datetime.min.replace(tzinfo=datetime.UTC)
+        self._read()
+
+    def __repr__(self) -> str:
+        return f"Tls({self.directory}, {self.cert_path.name})"
 
     @property
     def ca_path(self) -> Path:
         """The CA on disk, for clients that take a path (requests, for Consul)."""
-        return self.directory / (CA_FILE if (self.directory / CA_FILE).is_file() else SECRET_FILES[0])
+        return self.directory / self._names[0]
 
     @property
     def cert_path(self) -> Path:
-        """mesh.pem on disk (tls.crt in a Kubernetes secret), for servers that take a path (the HTTP front)."""
-        return self.directory / (CERT_FILE if (self.directory / CA_FILE).is_file() else SECRET_FILES[1])
+        """The certificate on disk (<role>.pem, mesh.pem, or tls.crt in a Kubernetes secret)."""
+        return self.directory / self._names[1]
 
     @property
     def key_path(self) -> Path:
-        """mesh-key.pem on disk (tls.key in a Kubernetes secret)."""
-        return self.directory / (KEY_FILE if (self.directory / CA_FILE).is_file() else SECRET_FILES[2])
+        """Its key on disk."""
+        return self.directory / self._names[2]
+
+    def _read(self) -> None:
+        """Reads and checks the three files, then swaps them in (all three, or none on an error)."""
+        ca, cert, key = (self.directory / name for name in self._names)
+        ca_pem, cert_pem, key_pem = ca.read_bytes(), cert.read_bytes(), key.read_bytes()
+        parsed = check(self.directory, ca_pem, cert_pem, key_pem, self._names)
+        roles = roles_of(parsed)
+        if self.role is not None and roles and self.role not in roles:
+            raise ValueError(f"--tls {self.directory}: {cert.name} names the role(s) {', '.join(sorted(roles))}, "
+                             f"not {self.role}; give this component its own certificate ({self.role}.pem)")
+        if key.stat().st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+            log.warning(f"{key} is readable by other users than its owner: chmod 600 it")
+        self.ca, self.cert, self.key, self.roles = ca_pem, cert_pem, key_pem, roles
+        self.not_after = parsed.not_valid_after_utc
+        metrics.TLS_CERT_EXPIRY.labels(self.role or "client").set(self.not_after.timestamp())
+
+    def reload(self) -> bool:
+        """Reads the files again (SIGHUP); on an error (logged) the certificate in force stays."""
+        try:
+            self._read()
+        except (ValueError, OSError) as exc:
+            log.error(f"TLS certificate not reloaded, the one in force stays: {exc}")
+            return False
+        log.info(f"TLS certificate reloaded from {self.cert_path}: valid until {self.not_after:%Y-%m-%d %H:%M} UTC")
+        return True
 
     def server_credentials(self) -> grpc.ServerCredentials:
-        """Serves with the mesh certificate and refuses any client without a certificate from the CA."""
-        return server_credentials(self.cert, self.key, client_ca=self.ca)
+        """Serves this certificate, reloaded ones included, and refuses any client without one from the CA."""
+        return ServedCredentials(lambda: (self.cert, self.key, self.ca)).credentials()
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
-        """Trusts only servers with a certificate from the CA, and presents the mesh certificate."""
+        """Trusts only servers with a certificate from the CA, and presents this certificate."""
         return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key,
                                             certificate_chain=self.cert)
+
+
+class ServedCredentials:
+    """Server credentials that follow what `current` returns (cert, key, client CA or None): each new handshake asks
+    (gRPC's certificate config fetcher) and gets the pair in force, so a reload needs no restart and drops no
+    connection. The client CA's presence is fixed at the start (gRPC fixes whether a client certificate is
+    required)."""
+
+    def __init__(self, current: Callable[[], tuple[bytes, bytes, bytes | None]]):
+        self._current = current
+        self._given = current()
+
+    def _config(self, given: tuple[bytes, bytes, bytes | None]) -> grpc.ServerCertificateConfiguration:
+        cert, key, ca = given
+        return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
+
+    def _fetch(self) -> grpc.ServerCertificateConfiguration | None:
+        now = self._current()
+        if now == self._given:
+            return None  # unchanged: gRPC keeps the configuration it has
+        self._given = now
+        return self._config(now)
+
+    def credentials(self) -> grpc.ServerCredentials:
+        return grpc.dynamic_ssl_server_credentials(self._config(self._given), self._fetch,
+                                                   require_client_authentication=self._given[2] is not None)
 
 
 def server_credentials(cert: bytes, key: bytes, client_ca: bytes | None) -> grpc.ServerCredentials:
@@ -141,46 +213,89 @@ def read_file(path: str | Path, what: str) -> bytes:
         raise ValueError(f"{what} {path}: is a directory, not a PEM file") from None
 
 
-def load(directory: str | Path | None) -> Tls | None:
-    """The --tls directory, checked; None (plaintext) when no directory is given."""
+def role_files(role: str) -> tuple[str, str, str]:
+    """ca.pem, <role>.pem, <role>-key.pem: what `stagemesh certs` writes for one role."""
+    return CA_FILE, f"{role}.pem", f"{role}-key.pem"
+
+
+def load(directory: str | Path | None, role: str | None = None) -> Tls | None:
+    """The --tls directory, checked; None (plaintext) when no directory is given. role: the component's (router,
+    stage, scheduler; None: an operator's tool, client): its <role>.pem, else a role-less mesh.pem (every role,
+    with a warning), else a Kubernetes TLS secret's tls.crt."""
     if directory is None:
         return None
     root = Path(directory)
-    names = (CA_FILE, CERT_FILE, KEY_FILE)
-    if not (root / CA_FILE).is_file() and all((root / name).is_file() for name in SECRET_FILES):
-        names = SECRET_FILES  # a Kubernetes TLS secret, mounted as it is
-    missing = [name for name in names if not (root / name).is_file()]
-    if missing:
-        raise FileNotFoundError(f"--tls {root}: {', '.join(missing)} missing there; make the files with "
-                                f"`stagemesh certs {root}` (and copy ca.pem, mesh.pem, mesh-key.pem to every host), or "
-                                f"mount a Kubernetes TLS secret there ({', '.join(SECRET_FILES)})")
-    ca, cert, key = (root / name for name in names)
-    tls = Tls(root, ca.read_bytes(), cert.read_bytes(), key.read_bytes())
-    check(tls)
-    if key.stat().st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-        log.warning(f"{key} is readable by other users than its owner: chmod 600 it")
+    candidates = [role_files(role or "client"), (CA_FILE, CERT_FILE, KEY_FILE), SECRET_FILES]
+    names = next((c for c in candidates if all((root / name).is_file() for name in c)), None)
+    if names is None:
+        wanted = ", ".join(role_files(role or "client"))
+        raise FileNotFoundError(f"--tls {root}: {wanted} missing there (nor ca.pem, mesh.pem, mesh-key.pem); make "
+                                f"the files with `stagemesh certs {root}` (and copy ca.pem and each host's role "
+                                f"certificate and key there), or mount a Kubernetes TLS secret there "
+                                f"({', '.join(SECRET_FILES)})")
+    tls = Tls(root, role, names)
+    if not tls.roles and role is not None:
+        log.warning(f"--tls {root}: {names[1]} names no role, so it is every role (router, stage, scheduler): any "
+                    "holder of it may open sessions, publish chains and register stages; issue one certificate per "
+                    "role with `stagemesh certs`")
     return tls
 
 
-def check(tls: Tls) -> None:
-    """ValueError when the files do not make a working mesh identity."""
-    where = f"--tls {tls.directory}"
+def roles_of(cert: x509.Certificate) -> frozenset[str]:
+    """The roles a certificate names (URI SANs stagemesh://role/<role>); empty: none (a role-less mesh.pem)."""
+    return frozenset(uri.removeprefix(ROLE_URI) for uri in san_values(cert, x509.UniformResourceIdentifier)
+                     if uri.startswith(ROLE_URI))
+
+
+def san_values(cert: x509.Certificate, kind: type) -> list:
+    """The subjectAltName entries of one kind (x509.DNSName, x509.IPAddress, ...); [] without the extension."""
     try:
-        ca = x509.load_pem_x509_certificate(tls.ca)
-        cert = x509.load_pem_x509_certificate(tls.cert)
-        key = serialization.load_pem_private_key(tls.key, password=None)
+        return cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(kind)
+    except x509.ExtensionNotFound:
+        return []
+
+
+def is_key_of(key, cert: x509.Certificate) -> bool:
+    """Whether key (a private key) is the key of cert: a mismatched pair would fail every handshake."""
+    spki = serialization.PublicFormat.SubjectPublicKeyInfo
+    return key.public_key().public_bytes(serialization.Encoding.DER, spki) == \
+        cert.public_key().public_bytes(serialization.Encoding.DER, spki)
+
+
+def certificate_pair(cert_path: str | Path, key_path: str | Path, what: str) -> tuple[bytes, bytes, x509.Certificate]:
+    """A certificate (chain) and its key, read and checked to belong together (what: the flag, for the error)."""
+    cert_pem, key_pem = read_file(cert_path, what), read_file(key_path, f"{what}'s key")
+    try:
+        cert = x509.load_pem_x509_certificate(cert_pem)
+        key = serialization.load_pem_private_key(key_pem, password=None)
+    except ValueError as exc:
+        raise ValueError(f"{what} {cert_path}: not a PEM certificate with an unencrypted PEM key ({exc})") from None
+    if not is_key_of(key, cert):
+        raise ValueError(f"{what}: {key_path} is not the key of {cert_path}")
+    return cert_pem, key_pem, cert
+
+
+def check(directory: Path, ca_pem: bytes, cert_pem: bytes, key_pem: bytes,
+          names: tuple[str, str, str]) -> x509.Certificate:
+    """The certificate, parsed; ValueError when the files do not make a working identity."""
+    where = f"--tls {directory}"
+    ca_file, cert_file, key_file = names
+    try:
+        ca = x509.load_pem_x509_certificate(ca_pem)
+        cert = x509.load_pem_x509_certificate(cert_pem)
+        key = serialization.load_pem_private_key(key_pem, password=None)
     except ValueError as exc:
         raise ValueError(f"{where}: not PEM certificates and an unencrypted PEM key ({exc})") from None
     try:
         cert.verify_directly_issued_by(ca)
     except (ValueError, TypeError, InvalidSignature):
-        raise ValueError(f"{where}: {CERT_FILE} was not issued by {CA_FILE}; make both with `stagemesh certs`, "
-                         "or put the CA that issued it in ca.pem") from None
-    if key.public_key().public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo) != \
-            cert.public_key().public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo):
-        raise ValueError(f"{where}: {KEY_FILE} is not the key of {CERT_FILE}")
+        raise ValueError(f"{where}: {cert_file} was not issued by {ca_file}; make both with `stagemesh certs`, "
+                         f"or put the CA that issued it in {ca_file}") from None
+    if not is_key_of(key, cert):
+        raise ValueError(f"{where}: {key_file} is not the key of {cert_file}")
     now = datetime.datetime.now(datetime.UTC)
-    for name, c in ((CA_FILE, ca), (CERT_FILE, cert)):
+    for name, c in ((ca_file, ca), (cert_file, cert)):
         if not c.not_valid_before_utc <= now <= c.not_valid_after_utc:
             raise ValueError(f"{where}: {name} is valid from {c.not_valid_before_utc:%Y-%m-%d} to "
                              f"{c.not_valid_after_utc:%Y-%m-%d}, not now; make new ones with `stagemesh certs`")
+    return cert

@@ -307,7 +307,7 @@ async def probe(*argv: str) -> int:
 
 
 async def test_the_health_probe_speaks_mutual_tls_and_tells_serving_from_answering_from_silent(tmp_path):
-    certs = make_certs(CertsConfig(str(tmp_path / "tls")))
+    certs = make_certs(CertsConfig(str(tmp_path / "tls"), roles=["mesh"]))
     server = await start_registry_server(tls=tls.load(certs))
     port = str(server.port)
     try:

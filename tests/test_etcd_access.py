@@ -19,7 +19,7 @@ from tests.harness.etcd_cluster import EtcdCluster
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory) -> dict[str, tls.Tls]:
     root = tmp_path_factory.mktemp("certs")
-    return {name: tls.load(make_certs(CertsConfig(str(root / name)))) for name in ("mesh", "other")}
+    return {name: tls.load(make_certs(CertsConfig(str(root / name), roles=["mesh"]))) for name in ("mesh", "other")}
 
 
 async def test_etcd_over_tls_with_the_mesh_certificate(certs, tmp_path):

@@ -589,8 +589,8 @@ async def test_https_with_the_routers_certificate_and_callers_certificates(tiny_
     from stagemesh import tls
     from stagemesh.certs import CertsConfig, make_certs
 
-    mesh_tls = tls.load(make_certs(CertsConfig(str(tmp_path / "mesh"))))
-    callers = tls.load(make_certs(CertsConfig(str(tmp_path / "callers"))))
+    mesh_tls = tls.load(make_certs(CertsConfig(str(tmp_path / "mesh"), roles=["mesh"])))
+    callers = tls.load(make_certs(CertsConfig(str(tmp_path / "callers"), roles=["mesh"])))
     secure = {"tls": str(mesh_tls.directory)}
     mesh = await start_mesh(tiny_model, [splits(8)], stage_options=secure,
                             router_options={**secure, "http_port": free_port(), "client_ca": str(callers.ca_path)})

@@ -1,6 +1,7 @@
 """`stagemesh up` as a supervisor, as a real process with its real children: a stage killed with SIGKILL is
 restarted and the mesh recovers while requests keep succeeding; `stagemesh roll` replaces every stage one
-by one under steady traffic without a failed request; SIGTERM stops the mesh in order, router first."""
+by one under steady traffic without a failed request; SIGHUP reaches every child and ends none; SIGTERM stops the
+mesh in order, router first."""
 
 from __future__ import annotations
 
@@ -194,6 +195,22 @@ def _events(path: Path, text: str) -> list[str]:
     """Timestamps of the log lines (JSON) whose message starts with text."""
     entries = [json.loads(line) for line in path.read_text().splitlines() if line.startswith("{")]
     return [e["ts"] for e in entries if e["msg"].startswith(text)]
+
+
+def test_sighup_is_passed_on_to_every_process_and_ends_none(up):
+    """`systemctl reload` of `stagemesh up`: each child reads its files again (here, with no --tls, each stage and
+    the scheduler logs that it has nothing to reload), and every process, `up` included, goes on."""
+    before = up.pids()
+    logs = {p["name"]: Path(p["log"]) for p in up.state()["processes"] if p["role"] in ("stage", "scheduler")}
+    up.popen.send_signal(signal.SIGHUP)
+
+    def every_child_logged() -> bool:
+        assert up.popen.poll() is None, "SIGHUP ended stagemesh up"
+        return all(_events(path, "SIGHUP: nothing to reload") for path in logs.values())
+
+    wait_until(every_child_logged, RECOVER_S, "every stage and the scheduler logged the SIGHUP")
+    assert up.popen.poll() is None and up.pids() == before
+    assert all(psutil.pid_exists(pid) for pid in before.values())
 
 
 def test_sigterm_stops_the_mesh_router_first_then_stages_then_scheduler(up):

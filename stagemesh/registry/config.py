@@ -17,8 +17,9 @@ class RegistryConfig:
     """The port stages, routers and schedulers reach it on (local://HOST:PORT); 0 picks a free port."""
     tracing: TracingConfig = field(default_factory=TracingConfig)
     tls: str | None = None
-    """A directory with ca.pem, mesh.pem and mesh-key.pem (`stagemesh certs`): serve mutual TLS, so that only
-    holders of a certificate from that CA reach the registry (default: plaintext)."""
+    """A directory with ca.pem, scheduler.pem and scheduler-key.pem (`stagemesh certs`; or a role-less mesh.pem):
+    serve mutual TLS, so that only holders of a certificate from that CA reach the registry, and only schedulers
+    write its keys and only stages their records; reloaded on SIGHUP (default: plaintext)."""
     plaintext: PlaintextConfig = field(default_factory=PlaintextConfig)
 
     def __post_init__(self) -> None:

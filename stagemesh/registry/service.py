@@ -7,12 +7,12 @@ import logging
 
 import grpc
 
-from stagemesh import grpc_server, metrics
+from stagemesh import grpc_server, metrics, roles
 from stagemesh.discovery import embedded as er
-from stagemesh.discovery.registry import MAX_VALUE_BYTES, LockHeld, LockLost, holder_name
+from stagemesh.discovery.registry import MAX_VALUE_BYTES, LockHeld, LockLost, holder_name, split_address
 from stagemesh.errors import ErrorCodes, StatusInterceptor
 from stagemesh.registry.state import EmbeddedRegistry
-from stagemesh.signals import until_signalled
+from stagemesh.signals import on_reload, until_signalled
 from stagemesh.tls import Tls
 from stagemesh.v1 import registry_pb2, registry_pb2_grpc
 
@@ -30,21 +30,47 @@ delete of a held lock's key, or a fenced one whose holder lost its lock, FAILED_
 The server hosting the service answers with these through its StatusInterceptor."""
 
 
+ROLE_POLICY = roles.ServicePolicy(SERVICE_NAME, "scheduler", {
+    **dict.fromkeys(("Register", "Heartbeat", "Deregister"), "stage"),
+    **dict.fromkeys(("ListServices", "WatchServices", "KvGet", "KvList", "WatchKey", "WatchPrefix", "LockHolder"))})
+"""With TLS: every write (the chain table, assignments, the leader lock; any write added later) is a scheduler's,
+stage records are stages' (and only at the hosts their certificate names: _check_stage_host); reads take any mesh
+certificate."""
+
+
 class RegistryService(registry_pb2_grpc.RegistryServicer):
     """Thin: every RPC is one EmbeddedRegistry call; watches wait here, on the server."""
 
     def __init__(self, registry: EmbeddedRegistry):
         self.registry = registry
 
+    async def _check_stage_host(self, context, service_id: str, address: str = "") -> None:
+        """PERMISSION_DENIED unless the stage certificate calling names the host of the record's address and of the
+        record it would replace: one stage cannot take over, renew or remove another host's registration."""
+        peer = roles.peer_of(context)
+        if peer is None or peer.role_less:
+            return
+        known = [s.record.address for s in await self.registry.services(None)
+                 if s.record.service_id == service_id]
+        for where in filter(None, (address, *known)):
+            host = split_address(where)[0]
+            if not roles.names_host(peer, host):
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                    f"stage {service_id} at {where}: the caller's certificate names the hosts "
+                                    f"{', '.join(peer.hosts) or '(none)'}, not {host}")
+
     async def Register(self, request, context):
+        await self._check_stage_host(context, request.record.service_id, request.record.address)
         await self.registry.register(er.record_from_pb(request.record), request.ttl_s,
                                      request.deregister_after_s or None)
         return registry_pb2.RegisterResponse()
 
     async def Heartbeat(self, request, context):
+        await self._check_stage_host(context, request.service_id)
         return registry_pb2.HeartbeatResponse(known=await self.registry.heartbeat(request.service_id))
 
     async def Deregister(self, request, context):
+        await self._check_stage_host(context, request.service_id)
         await self.registry.deregister(request.service_id)
         return registry_pb2.DeregisterResponse()
 
@@ -122,7 +148,9 @@ class RegistryServer:
         self._owns_registry = registry is None
         self.registry = registry or EmbeddedRegistry()
         self.host = host
-        self.server = grpc_server.new_server([StatusInterceptor(log, ERROR_CODES)], MAX_REQUEST_BYTES)
+        self.server = grpc_server.new_server([StatusInterceptor(log, ERROR_CODES),
+                                              *([roles.RoleInterceptor(ROLE_POLICY)] if tls else [])],
+                                             MAX_REQUEST_BYTES)
         add_registry_service(self.server, self.registry)
         self.health = grpc_server.add_health_and_reflection(self.server, [SERVICE_NAME])
         self.port = grpc_server.bind(self.server, host, port, tls.server_credentials() if tls else None)
@@ -155,6 +183,7 @@ async def start_registry_server(host: str = "127.0.0.1", port: int = 0, registry
 async def serve_registry(host: str, port: int, tls: Tls | None = None) -> None:
     """`stagemesh registry`: the embedded registry on its own, until a signal."""
     server = await start_registry_server(host, port, tls=tls)
+    on_reload(tls and tls.reload)
     print(f"registry ready on {server.address}", flush=True)
     await until_signalled()
     await server.stop()

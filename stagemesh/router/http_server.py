@@ -56,7 +56,7 @@ async def _disconnect(request: Request) -> None:
 
 class _RouterUvicorn(uvicorn.Server):
     """uvicorn inside the router's loop: the router's own signal handlers stay (SIGTERM drains both fronts,
-    SIGHUP reloads tokens); it is stopped by HttpServer.stop."""
+    SIGHUP reloads tokens and certificates); it is stopped by HttpServer.stop."""
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -83,6 +83,13 @@ class HttpServer:
     @property
     def url(self) -> str:
         return f"{'https' if self.tls else 'http'}://{host_port(self.host, self.port)}"
+
+    def reload_certificate(self) -> None:
+        """Reads the certificate and key files again into the TLS context being served (SIGHUP; the caller checked
+        them): new connections get the new pair, open ones keep theirs."""
+        config = self.server.config
+        if self.tls and config.loaded and config.ssl is not None:
+            config.ssl.load_cert_chain(config.ssl_certfile, config.ssl_keyfile)
 
     async def start(self) -> None:
         self.task = asyncio.get_running_loop().create_task(self.server.serve(sockets=[self.socket]))

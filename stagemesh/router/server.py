@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,7 +23,7 @@ from stagemesh.router.generation import GenerationConfig
 from stagemesh.router.priority_queue import AdmissionConfig, PriorityAdmission
 from stagemesh.router.request_size import RequestSizeInterceptor
 from stagemesh.router.router_service import RouterService
-from stagemesh.signals import until_signalled
+from stagemesh.signals import on_reload, until_signalled
 from stagemesh.tls import PlaintextConfig
 from stagemesh.tracing import TracingConfig
 from stagemesh.v1 import router_pb2, router_pb2_grpc
@@ -114,11 +113,12 @@ class RouterConfig:
     """On SIGTERM: NOT_SERVING and no new calls at once, and this long for the streams it carries to
     finish before the process exits."""
     tls: str | None = None
-    """A directory with ca.pem, mesh.pem and mesh-key.pem (`stagemesh certs`): reach stages and the registry
-    with mutual TLS, and serve the public port with TLS (mesh.pem, unless --public-cert) (default: plaintext)."""
+    """A directory with ca.pem, router.pem and router-key.pem (`stagemesh certs`; or a role-less mesh.pem): reach
+    stages and the registry with mutual TLS, and serve the public port with TLS (router.pem, unless --public-cert);
+    reloaded on SIGHUP (default: plaintext)."""
     public_cert: str | None = None
-    """A PEM certificate (chain) for the public port instead of mesh.pem, e.g. from the authority callers
-    already trust; with --public-key."""
+    """A PEM certificate (chain) for the public port instead of router.pem, e.g. from the authority callers
+    already trust; with --public-key; reloaded on SIGHUP."""
     public_key: str | None = None
     """--public-cert's private key (PEM)."""
     client_ca: str | None = None
@@ -180,18 +180,41 @@ def eos_token_ids(model_dir: str, tokenizer, model_config) -> frozenset[int]:
     return frozenset([ids] if isinstance(ids, int) else ids)
 
 
-def public_credentials(config: RouterConfig, mesh: tls.Tls | None) -> grpc.ServerCredentials | None:
-    """The public port's TLS: --public-cert or the mesh certificate, requiring a caller certificate from
-    --client-ca if given; None (plaintext) without either certificate."""
-    if config.public_cert and config.public_key:
-        cert = tls.read_file(config.public_cert, "--public-cert")
-        key = tls.read_file(config.public_key, "--public-key")
-    elif mesh is not None:
-        cert, key = mesh.cert, mesh.key
-    else:
-        return None
-    client_ca = tls.read_file(config.client_ca, "--client-ca") if config.client_ca else None
-    return tls.server_credentials(cert, key, client_ca)
+class PublicCert:
+    """The public port's certificate: --public-cert/--public-key, else the router's own (router.pem, or a role-less
+    mesh.pem); callers must present a certificate from --client-ca if given. reload() (SIGHUP) reads --public-cert
+    again; the router's own is reloaded with its Tls. New handshakes get what is in force (tls.ServedCredentials)."""
+
+    def __init__(self, config: RouterConfig, mesh: tls.Tls | None):
+        self.config, self.mesh = config, mesh
+        self.client_ca = tls.read_file(config.client_ca, "--client-ca") if config.client_ca else None
+        self.own: tuple[bytes, bytes] | None = None
+        self.reload()
+
+    def reload(self) -> bool:
+        """Reads --public-cert and --public-key again; on an error (logged) the pair in force stays."""
+        if not self.config.public_cert or not self.config.public_key:
+            return True
+        try:
+            cert, key, parsed = tls.certificate_pair(self.config.public_cert, self.config.public_key, "--public-cert")
+        except (ValueError, OSError) as exc:
+            if self.own is None:
+                raise
+            log.error(f"--public-cert not reloaded, the one in force stays: {exc}")
+            return False
+        self.own = cert, key
+        metrics.TLS_CERT_EXPIRY.labels("public").set(parsed.not_valid_after_utc.timestamp())
+        return True
+
+    def current(self) -> tuple[bytes, bytes, bytes | None]:
+        cert, key = self.own or (self.mesh.cert, self.mesh.key)
+        return cert, key, self.client_ca
+
+    def credentials(self) -> grpc.ServerCredentials | None:
+        """None (plaintext) without either certificate."""
+        if self.own is None and self.mesh is None:
+            return None
+        return tls.ServedCredentials(self.current).credentials()
 
 
 class RouterServer:
@@ -200,7 +223,8 @@ class RouterServer:
 
         self.config = config
         # First: a wrong --tls or token file stops the process before the tokenizer is loaded.
-        self.tls = tls.load(config.tls)
+        self.tls = tls.load(config.tls, "router")
+        self.public = PublicCert(config, self.tls)
         self.auth = TokenAuth(config.auth_tokens) if config.auth_tokens else None
         model_config = AutoConfig.from_pretrained(config.model, local_files_only=True)
         tokenizer = AutoTokenizer.from_pretrained(config.model, local_files_only=True)
@@ -227,7 +251,7 @@ class RouterServer:
             Path(config.model).name, self.admission,
         )
         router_pb2_grpc.add_RouterServicer_to_server(self.service, self.server)
-        self.port = grpc_server.bind(self.server, config.host, config.port, public_credentials(config, self.tls))
+        self.port = grpc_server.bind(self.server, config.host, config.port, self.public.credentials())
         self.stopping = False
         self.http = self._http_front() if config.http_port else None
         self._tasks: list[asyncio.Task] = []
@@ -275,10 +299,22 @@ class RouterServer:
         http = f"; OpenAI-compatible HTTP on {self.http.url}" if self.http else ""
         log.info(f"router on {self.address}: {usable} of {len(self.chains.chains)} chains usable{http}")
 
+    def reload(self) -> None:
+        """SIGHUP: the certificates (the router's, --public-cert; both fronts), --auth-tokens and --accept-fingerprints,
+        each kept if its files fail."""
+        renewed = self.tls.reload() if self.tls is not None else False
+        if self.public.reload() and (renewed or self.public.own) and self.http is not None:
+            try:
+                self.http.reload_certificate()  # the files just checked
+            except OSError as exc:  # ssl.SSLError: the files changed again since; the pair in force stays
+                log.error(f"the HTTP front's certificate not reloaded: {exc}")
+        if self.auth is not None:
+            self.reload_tokens()
+        self.reload_fingerprints()
+
     def reload_tokens(self) -> bool:
-        """Reads --auth-tokens again (SIGHUP); a file that does not parse keeps the tokens in force."""
+        """Reads --auth-tokens again; a file that does not parse keeps the tokens in force."""
         if self.auth is None:
-            log.warning("SIGHUP: nothing to reload (no --auth-tokens)")
             return False
         try:
             names = self.auth.reload()
@@ -301,12 +337,6 @@ class RouterServer:
         log.info(f"accepted fingerprints reloaded: {', '.join(sorted(self.chains.accepted)) or 'none'}")
         return True
 
-    def reload(self) -> None:
-        """SIGHUP: the files read again without a restart."""
-        if self.auth is not None or not self.config.accept_fingerprints:
-            self.reload_tokens()  # says so when there is nothing to reload
-        self.reload_fingerprints()
-
     async def stop(self, grace: float | None = 1.0) -> None:
         self.stopping = True  # the HTTP front's /health turns 503 and it takes no new requests
         for task in self._tasks:
@@ -328,7 +358,7 @@ async def serve(config: RouterConfig) -> None:
     # and frames per token; an allocation loop over that heap ran 4x faster frozen).
     gc.collect()
     gc.freeze()
-    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, server.reload)
+    on_reload(server.reload)
     print(f"router ready on {server.address}", flush=True)
     if server.http is not None:
         print(f"router HTTP (OpenAI-compatible) on {server.http.url}", flush=True)

@@ -81,8 +81,9 @@ class SchedulerConfig:
     registry_port: int = 50050
     """The hosted registry's port (with --registry local; 0 picks a free port)."""
     tls: str | None = None
-    """A directory with ca.pem, mesh.pem and mesh-key.pem (`stagemesh certs`): the hosted registry serves mutual
-    TLS and the scheduler reaches its registry with it (default: plaintext)."""
+    """A directory with ca.pem, scheduler.pem and scheduler-key.pem (`stagemesh certs`; or a role-less mesh.pem): the
+    hosted registry serves mutual TLS and the scheduler reaches its registry with it; reloaded on SIGHUP (default:
+    plaintext)."""
     plaintext: PlaintextConfig = field(default_factory=PlaintextConfig)
     metrics_port: int | None = None
     """Serve Prometheus metrics on this port (default: none): leadership, chains published, stages seen and

@@ -13,7 +13,7 @@ from stagemesh.discovery.backends import open_registry, plaintext_hosts
 from stagemesh.discovery.chain_table import decode_chains, published_plan
 from stagemesh.discovery.registry import chains_key
 from stagemesh.scheduler.scheduler import Scheduler, SchedulerConfig
-from stagemesh.signals import until_signalled
+from stagemesh.signals import on_reload, until_signalled
 from stagemesh.tls import PlaintextConfig, Tls
 
 log = logging.getLogger("stagemesh.scheduler")
@@ -31,7 +31,8 @@ class PlanConfig:
     model_name: str = ""
     """The model's name in the registry (default: the checkpoint directory's name)."""
     tls: str | None = None
-    """A directory with ca.pem, mesh.pem and mesh-key.pem: reach a registry that serves mutual TLS."""
+    """A directory with ca.pem, client.pem and client-key.pem (or a role-less mesh.pem): reach a registry that serves
+    mutual TLS."""
     plaintext: PlaintextConfig = field(default_factory=PlaintextConfig)
 
     def __post_init__(self) -> None:
@@ -44,6 +45,7 @@ async def serve_scheduler(config: SchedulerConfig, registry_url: str, tls: Tls |
     registry = open_registry(registry_url, tls)
     scheduler = Scheduler(config, registry, tls)
     task = asyncio.get_running_loop().create_task(scheduler.run())
+    on_reload(tls and tls.reload)  # the hosted registry serves the same Tls: one reload renews both
     print(f"scheduler ready ({config.scheduler_id}, registry {registry_url})", flush=True)
     await until_signalled()
     log.info("stopping: the leader lock is released for a standby")

@@ -169,8 +169,9 @@ class StageConfig:
     """local://HOST:PORT, consul://HOST:PORT, consul+https://HOST:PORT, etcd://HOST:PORT[,HOST:PORT...] or
     etcd+https://...: announce this stage there (needed without --layers)."""
     tls: str | None = None
-    """A directory with ca.pem, mesh.pem and mesh-key.pem (`stagemesh certs`): serve mutual TLS (callers need a
-    certificate from that CA) and reach the registry with it (default: plaintext)."""
+    """A directory with ca.pem, stage.pem and stage-key.pem (`stagemesh certs`; or a role-less mesh.pem): serve
+    mutual TLS (sessions only from router certificates, Relay only from stage certificates) and reach the registry
+    with it; reloaded on SIGHUP (default: plaintext)."""
     plaintext: PlaintextConfig = field(default_factory=PlaintextConfig)
     model_name: str = ""
     """The model's name in the registry (default: the checkpoint directory's name)."""

@@ -9,7 +9,7 @@ import psutil
 
 from stagemesh import metrics
 from stagemesh.discovery.backends import open_registry
-from stagemesh.signals import until_signalled
+from stagemesh.signals import on_reload, until_signalled
 from stagemesh.stage_server.config import StageConfig
 from stagemesh.stage_server.server import StageServer
 from stagemesh.stage_server.service.registration import Registration, RegistrationConfig, local_devices
@@ -36,6 +36,7 @@ async def serve(config: StageConfig) -> None:
                                                        devices=config.devices or local_devices(server.device)),
                                     fixed=config.layer_start is not None)
         await registration.start()
+    on_reload(server.tls and server.tls.reload)
     print(f"stage ready on {server.address}", flush=True)
     await until_signalled()
     # Drain: out of the registry (the scheduler withdraws its chains), NOT_SERVING, no new calls;

