@@ -17,7 +17,9 @@ from stagemesh.router import repair
 from stagemesh.router.chain_client import Chain, ChainSession, StageEndpoint
 from stagemesh.router.forwarding import ForwardingSession
 from stagemesh.router.step_values import Sampling
+from stagemesh.stage_server.engine.kv_pool import KVPool
 from stagemesh.stage_server.service.output_log import OutputLog, RepairLog
+from stagemesh.stage_server.service.sessions import SessionTable
 from stagemesh.v1 import router_pb2, router_pb2_grpc, stage_pb2, stage_pb2_grpc
 from tests.conftest import hf_greedy, splits, start_mesh
 from tests.harness.fault_mesh import FaultMesh
@@ -85,6 +87,9 @@ def test_the_chunked_output_log_reads_what_was_written_across_chunks_and_reuse()
     assert gap.lost and budget.dropped == 2 and budget.used_bytes == 2 * 8 * hidden * 4
     c.drop()
     assert budget.used_bytes == 0 and sorted(budget.free) == list(range(5))
+    pool = KVPool(1 << 20, 1, 1, 4, torch.float32, block_size=8)
+    assert SessionTable(pool, 64, RepairLog(0, hidden, torch.float32)).open("none", 8, keep_output=True).output is None
+    assert SessionTable(pool, 64, budget).open("kept", 8, keep_output=True).output is not None
 
 
 @pytest.fixture(scope="module")

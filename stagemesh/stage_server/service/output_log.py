@@ -175,8 +175,8 @@ def readable(output: OutputLog | None, start: int, end: int, chunk: int) -> Iter
     """Stage/ReadOutput: (position, rows) of positions start..end-1, chunk rows at a time (0: all at once);
     FAILED_PRECONDITION when the session's log does not hold them."""
     if output is None or not output.covers(start, end):
-        why = ("not asked for at open" if output is None else "dropped: see the stage's log" if output.lost
-               else f"it holds positions 0..{output.length - 1}")
+        why = ("not asked for at open, or --repair-log-tokens 0" if output is None
+               else "dropped: see the stage's log" if output.lost else f"it holds positions 0..{output.length - 1}")
         raise StatusError(grpc.StatusCode.FAILED_PRECONDITION,
                           f"this stage holds no output log of positions {start}..{end - 1} for the session ({why})")
     return output.read(start, end, chunk or max(1, end - start))

@@ -95,9 +95,10 @@ class SessionTable:
         cache = self.pool.allocate(max_length, keys)  # raises PoolExhausted
         # A log whose session starts past 0 (positions attached) drops itself at its first step: no next stage
         # can be rebuilt from it; one rewound to 0 at its first step (the chain's other stages had less) logs all.
-        session = Session(session_id, request_id, cache, owner, route=route or Route(),
-                          output=OutputLog(self.log_budget, {"session_id": short_id(session_id),
-                                                             "request_id": request_id}) if keep_output else None)
+        # --repair-log-tokens 0: no log, and nothing said per session (the operator chose it).
+        output = (OutputLog(self.log_budget, {"session_id": short_id(session_id), "request_id": request_id})
+                  if keep_output and self.log_budget.capacity_tokens else None)
+        session = Session(session_id, request_id, cache, owner, route=route or Route(), output=output)
         self.sessions[session_id] = session
         return session
 
