@@ -49,10 +49,11 @@ async def assert_repaired_exactly(hf, ids: list[int], tokens: list[int], got: li
     assert all(s.sessions.log_budget.used_bytes == 0 for s in live)
 
 
-def test_the_chunked_output_log_reads_what_was_written_across_chunks_and_reuse():
+def test_the_chunked_output_log_reads_what_was_written_across_chunks_and_reuse(caplog):
     """Sessions' logs share one RepairLog of fixed-size chunks: writes that cross chunk bounds (and chunks given
     back by one session, taken by another in another order) read back exactly, position for position; a log that
     finds no free chunk is dropped whole, counted by reason, its chunks returned; so is one with a gap."""
+    caplog.set_level(logging.INFO, logger="stagemesh")
     hidden = 4
     budget = RepairLog(40, hidden, torch.float32, chunk_tokens=8)  # 5 chunks of 8
     assert (budget.capacity_tokens, budget.capacity_bytes, budget.used_bytes) == (40, 40 * 16, 0)
@@ -85,6 +86,8 @@ def test_the_chunked_output_log_reads_what_was_written_across_chunks_and_reuse()
     gap.append(0, rows[:2])
     gap.append(5, rows[:1])  # a gap: useless for a rebuild, dropped
     assert gap.lost and budget.dropped == 2 and budget.used_bytes == 2 * 8 * hidden * 4
+    said = {r.getMessage().split(":")[0]: r.levelno for r in caplog.records}  # full: a warning; a gap: only info
+    assert said == {"output log dropped (full)": logging.WARNING, "output log dropped (gap)": logging.INFO}
     c.drop()
     assert budget.used_bytes == 0 and sorted(budget.free) == list(range(5))
     pool = KVPool(1 << 20, 1, 1, 4, torch.float32, block_size=8)

@@ -167,8 +167,10 @@ class OutputLog:
         self.drop()
         self.budget.dropped += 1
         metrics.OUTPUT_LOG_DROPPED.labels(reason).inc()
-        log.warning(f"output log dropped ({reason}): {why}; if the next stage fails, the session is replayed, not "
-                    "repaired", extra=self.label)
+        # full is the operator's to fix (--repair-log-tokens); a gap is what the prefix cache does, said quietly
+        log.log(logging.WARNING if reason == FULL else logging.INFO,
+                f"output log dropped ({reason}): {why}; if the next stage fails, the session is replayed, not "
+                "repaired", extra=self.label)
 
 
 def readable(output: OutputLog | None, start: int, end: int, chunk: int) -> Iterator[tuple[int, torch.Tensor]]:
