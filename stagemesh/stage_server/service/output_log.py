@@ -8,13 +8,16 @@ with keep_output keep one, only on stages that have a next stage.
 All logs live in one RepairLog, allocated once at start (--repair-log-tokens positions; by default as many as
 the KV pool holds, so every position a session can reach can be logged) in chunks of fixed size, as the KV pool
 is in blocks: a session takes chunks as it grows and gives them back when it closes, so that logs never
-fragment the device nor allocate mid-stream. A session whose log cannot be kept (no free chunk, or a step
-that does not continue it) loses it, is counted (stagemesh_stage_output_log_dropped_total{reason}) and logged
-once, and can only be replayed, not repaired."""
+fragment the device nor allocate mid-stream. The batcher writes each pass's rows on the compute thread, from the
+device's copy where the log lies on the device (a copy in the pass's stream order, which waits neither for the
+host nor for later passes), while the event loop reads and frees logs: one lock orders them. A session whose log
+cannot be kept (no free chunk, or a step that does not continue it) loses it, is counted
+(stagemesh_stage_output_log_dropped_total{reason}) and logged once, and can only be replayed, not repaired."""
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterator
 
 import grpc
@@ -58,6 +61,7 @@ class RepairLog:
         self.free = list(range(num_chunks - 1, -1, -1))  # popped from the end: chunk 0 first
         self.num_chunks = num_chunks
         self.dropped = 0  # logs given up since start, for any reason
+        self.lock = threading.RLock()  # the compute thread appends; the event loop reads and drops
 
     @property
     def capacity_tokens(self) -> int:
@@ -105,7 +109,11 @@ class OutputLog:
         return len(self.chunks) * self.budget.chunk_bytes
 
     def append(self, start: int, hidden: torch.Tensor) -> None:
-        """hidden: [n, hidden], the output of positions start..start+n-1."""
+        """hidden: [n, hidden], the output of positions start..start+n-1 (on the compute thread)."""
+        with self.budget.lock:
+            self._append(start, hidden)
+
+    def _append(self, start: int, hidden: torch.Tensor) -> None:
         if self.lost:
             return
         if start != self.length:
@@ -133,10 +141,12 @@ class OutputLog:
         be another session's once this one closes); FAILED_PRECONDITION if the log is dropped meanwhile."""
         for at in range(start, end, chunk):
             upto = min(end, at + chunk)
-            if not self.covers(at, upto):
-                raise StatusError(grpc.StatusCode.FAILED_PRECONDITION,
-                                  f"the session's output log was dropped while positions {at}..{end - 1} were read")
-            yield at, self.rows_of(at, upto)
+            with self.budget.lock:
+                if not self.covers(at, upto):
+                    raise StatusError(grpc.StatusCode.FAILED_PRECONDITION, "the session's output log was dropped "
+                                                                           f"while positions {at}..{end - 1} were read")
+                rows = self.rows_of(at, upto)
+            yield at, rows
 
     def rows_of(self, start: int, end: int) -> torch.Tensor:
         """A copy of the rows of positions start..end-1 (covered)."""
@@ -158,9 +168,10 @@ class OutputLog:
 
     def drop(self) -> None:
         """Frees the log (the session closed, or the log cannot be kept)."""
-        self.lost = True
-        self.budget.give(self.chunks)
-        self.chunks = []
+        with self.budget.lock:
+            self.lost = True
+            self.budget.give(self.chunks)
+            self.chunks = []
 
     def _give_up(self, reason: str, why: str) -> None:
         """Drops the log for a reason, counted and logged (once: a dropped log takes no more steps)."""
