@@ -1,16 +1,19 @@
 """Time from a stage's failure to the next token: repair (router/repair.py) against replaying the whole
 prefix on another chain, side by side in one run.
 
-    python scripts/bench_repair.py [--modes relay,forwarding] [--prefixes 64,512,2048] [--repeats 5] [--threads 1]
+    python scripts/bench_repair.py [--modes relay,forwarding] [--positions first,middle,last] [--prefixes 64,512,2048]
+                                   [--repeats 5] [--threads 1]
 
 Two chains of three stage processes with the same layer ranges (a tiny random Llama made for the run, 8
 layers, context 4096), each stage behind a link proxy (tests/harness/link_proxy.py). The benchmark drives
 the router's own session code (router.chain_client, router.repair) on chain A: a prefix of P tokens, 4
-decode steps, then the link to A's middle stage is cut (its connections reset, new ones refused: what a
-SIGKILLed stage looks like to the router) and the clock starts. The next step fails there, and then
+decode steps, then the link to one of A's stages (--positions: first, middle, last) is cut (its connections reset,
+new ones refused: what a SIGKILLed stage looks like to the router and to the stage before it) and the clock starts.
+The next step fails there, and then
 
-    repair: chain B's middle stage takes the dead one's place, rebuilt from stage 1's output log (P + 4
-            positions, in prefill chunks of 256); stage 3 takes the one position it lacks; the token comes back
+    repair: chain B's stage of the same layers takes the dead one's place, rebuilt from the previous stage's
+            output log (token ids for a first stage; P + 4 positions, in prefill chunks of 256); the stages after
+            it take the one position they lack; the token comes back
     replay: a new session on chain B, the whole prefix and the 4 tokens in pipelined chunks of 256 through
             all three stages (generation.py's failover)
 
@@ -88,15 +91,18 @@ async def forwarding_ready(chain: Chain, timeout_s: float = 60) -> None:
             await asyncio.sleep(0.3)
 
 
-async def one_failure(pm: FaultMesh, path: str, mode: str, prefix: list[int]) -> tuple[float, int]:
-    """(seconds from the cut to the next token, that token) on data path `path` (relay or forwarding)."""
+POSITIONS = {"first": 0, "middle": 1, "last": 2}
+
+
+async def one_failure(pm: FaultMesh, path: str, mode: str, prefix: list[int], victim: int) -> tuple[float, int]:
+    """(seconds from the cut to the next token, that token) on data path `path` (relay or forwarding), chain A's
+    stage `victim` failing."""
     session_type = ForwardingSession if path == "forwarding" else ChainSession
     chain_a, chain_b = Chain(endpoints(pm, 0)), Chain(endpoints(pm, 1))
     await serving([*chain_a.stages, *chain_b.stages])
     if path == "forwarding":
         for chain in (chain_a, chain_b):
             await forwarding_ready(chain)
-    victim = 1  # chain A's middle stage
     greedy = Sampling()
     max_length = len(prefix) + DECODED + 8
     async with session_type(chain_a, max_length, f"bench-{mode}", keep_output=mode == "repair") as session:
@@ -125,21 +131,22 @@ async def one_failure(pm: FaultMesh, path: str, mode: str, prefix: list[int]) ->
     return took, result.token_id
 
 
-async def run(pm: FaultMesh, paths: list[str], prefixes: list[int], repeats: int) -> list[dict]:
+async def run(pm: FaultMesh, paths: list[str], positions: list[str], prefixes: list[int], repeats: int) -> list[dict]:
     rows = []
-    for path, p in [(path, p) for path in paths for p in prefixes]:
+    for path, where, p in [(path, where, p) for path in paths for where in positions for p in prefixes]:
         prefix = torch.randint(4, 1000, (p,), generator=torch.Generator().manual_seed(p)).tolist()
         times: dict[str, list[float]] = {m: [] for m in MODES}
         tokens: set[int] = set()
         for _ in range(repeats):
             for mode in MODES:
-                took, token = await one_failure(pm, path, mode, prefix)
+                took, token = await one_failure(pm, path, mode, prefix, POSITIONS[where])
                 times[mode].append(took)
                 tokens.add(token)
                 await asyncio.sleep(0.3)
         if len(tokens) != 1:
-            raise RuntimeError(f"prefix {p}: the modes disagree on the next token: {tokens}")
-        row = {"path": path, "prefix": p, **{f"{m}_ms": round(statistics.median(times[m]) * 1000, 1) for m in MODES}}
+            raise RuntimeError(f"{where} stage, prefix {p}: the modes disagree on the next token: {tokens}")
+        row = {"path": path, "stage": where, "prefix": p,
+               **{f"{m}_ms": round(statistics.median(times[m]) * 1000, 1) for m in MODES}}
         row["replay/repair"] = round(row["replay_ms"] / row["repair_ms"], 2)
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -149,6 +156,7 @@ async def run(pm: FaultMesh, paths: list[str], prefixes: list[int], repeats: int
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--modes", default="relay,forwarding", help="data paths: relay, forwarding")
+    parser.add_argument("--positions", default="first,middle,last", help="the stage of chain A that fails")
     parser.add_argument("--prefixes", default="64,512,2048")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per stage process")
@@ -158,6 +166,9 @@ def main() -> None:
     paths = args.modes.split(",")
     if not set(paths) <= {"relay", "forwarding"}:
         parser.error(f"--modes {args.modes!r}: relay and/or forwarding")
+    positions = args.positions.split(",")
+    if not set(positions) <= set(POSITIONS):
+        parser.error(f"--positions {args.positions!r}: first, middle and/or last")
     with tempfile.TemporaryDirectory() as tmp:
         model = make_tiny_model(Path(tmp) / "tiny", "llama", layers=8, seed=7, max_position=4096)
         logs = Path(args.log_dir or Path(tmp) / "logs")
@@ -166,13 +177,14 @@ def main() -> None:
                        # --no-prefix-cache: a replay after the repeats before it would find the prefix cached
                        stage_args=("--kv-cache-gb", "0.1", "--threads", str(args.threads), "--no-prefix-cache"))
         try:
-            rows = asyncio.run(run(pm, paths, prefixes, args.repeats))
+            rows = asyncio.run(run(pm, paths, positions, prefixes, args.repeats))
         finally:
             pm.stop()
-    print("| data path | prefix tokens | repair (ms) | replay on another chain (ms) | replay / repair |")
-    print("| --- | ---: | ---: | ---: | ---: |")
+    print("| data path | stage killed | prefix tokens | repair (ms) | replay on another chain (ms) | replay / repair |")
+    print("| --- | --- | ---: | ---: | ---: | ---: |")
     for r in rows:
-        print(f"| {r['path']} | {r['prefix']} | {r['repair_ms']} | {r['replay_ms']} | {r['replay/repair']}x |")
+        print(f"| {r['path']} | {r['stage']} | {r['prefix']} | {r['repair_ms']} | {r['replay_ms']} | "
+              f"{r['replay/repair']}x |")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import logging
 import sys
 import time
 
-_FIELDS = ("request_id", "caller", "session_id", "chain", "stage", "code", "peer")
+_FIELDS = ("request_id", "caller", "session_id", "chain", "stage", "code", "peer", "reason")
 
 
 class JsonFormatter(logging.Formatter):

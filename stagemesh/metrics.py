@@ -76,6 +76,12 @@ PANIC_TABLES = Counter("stagemesh_router_panic_tables_total",
 FAILOVERS = Counter("stagemesh_router_failovers_total", "Streams moved to another chain after a stage failed")
 REPAIRS = Counter("stagemesh_router_repairs_total",
                   "Streams kept on their chain after a stage failed, another stage taking its place (rebuilt alone)")
+REPAIR_FALLBACKS = Counter("stagemesh_router_repair_fallbacks_total",
+                           "Stage failures that could not be repaired and were replayed on another chain instead, by "
+                           "why: log_dropped (the previous stage's output log was dropped: --repair-log-tokens), "
+                           "not_kept (the stages keep no logs), prefix_cached (the session's first positions came from "
+                           "prefix caches), not_stage_fault, position_unknown, no_replacement, repair_off, "
+                           "repair_failed", ["reason"])
 STEP_TIMEOUTS = Counter("stagemesh_router_step_timeouts_total",
                         "Stage answers that did not come within the progress timeout (hung or unreachable stage)")
 AUTH_REFUSED = Counter("stagemesh_router_auth_refused_total",
@@ -111,6 +117,11 @@ EAGER_PASSES = Counter("stagemesh_stage_eager_passes_total",
                        "too_many_sessions, past_max_len) or its bucket not captured (not_captured)", ["reason"])
 GRAPH_CAPTURE_FAILURES = Counter("stagemesh_stage_graph_capture_failures_total",
                                  "CUDA graph captures that failed in a warm-up (the stage serves those passes eager)")
+OUTPUT_LOG_DROPPED = Counter("stagemesh_stage_output_log_dropped_total",
+                             "Sessions' output logs (repair) given up, by why: full (no room left in "
+                             "--repair-log-tokens), gap (a step did not continue the log: the session started from "
+                             "prefix-cached positions); such a session is replayed, not repaired, if its next stage "
+                             "fails", ["reason"])
 STALLED = Gauge("stagemesh_stage_stalled", "1 while steps wait and no pass finished within --stall-timeout-s")
 
 # Scheduler (every scheduler process; only the leader plans)

@@ -14,7 +14,7 @@ import pytest
 from stagemesh.stage_server.config import StageConfig
 from stagemesh.stage_server.engine.kv_pool import KVPool
 from stagemesh.stage_server.engine.loader import load_stage
-from stagemesh.stage_server.engine.memory_plan import NoRoomForPool, gpu_pool_bytes
+from stagemesh.stage_server.engine.memory_plan import NoRoomForPool, gpu_pool_bytes, split_room
 from stagemesh.stage_server.gpu.cuda_graphs import GraphedPasses, bucket, powers_of_two
 from stagemesh.v1 import router_pb2, stage_pb2
 from tests.conftest import collect, hf_greedy, splits, start_mesh
@@ -37,9 +37,24 @@ def test_the_pool_takes_what_the_utilization_leaves_after_weights_activations_an
         gpu_pool_bytes(80 * GIB, 70 * GIB, 2 * GIB, 0.9, graphs=True)
 
 
+def test_the_repair_log_shares_the_pools_room_position_for_position():
+    """An 8B stage of 16 layers: 64 KiB of KV and 8 KiB of log per position (bfloat16). By default the room is
+    split so that the pool and the log hold as many positions each; a log asked for with at most that many is taken
+    from the room beside the pool, one asked for with more goes to the host (the pool keeps the whole room); none on
+    a last stage (log bytes 0) or with --repair-log-tokens 0."""
+    kv, row = 64 * 1024, 8 * 1024
+    pool, tokens, beside = split_room(9 * GIB, kv, row, None)
+    assert (tokens, beside) == (9 * GIB // (kv + row), True) and pool // kv == tokens and pool + tokens * row <= 9 * GIB
+    assert split_room(9 * GIB, kv, row, 1000) == (9 * GIB - 1000 * row, 1000, True)
+    assert split_room(9 * GIB, kv, row, tokens + 1) == (9 * GIB, tokens + 1, False)
+    assert split_room(9 * GIB, kv, 0, None) == (9 * GIB, 0, False)
+    assert split_room(9 * GIB, kv, row, 0) == (9 * GIB, 0, False)
+
+
 @pytest.mark.parametrize("field,value,says", [("gpu_memory_utilization", 0.0, "share of the GPU"),
                                               ("gpu_memory_utilization", 1.5, "share of the GPU"),
-                                              ("max_model_len", 0, ">= 1 position")])
+                                              ("max_model_len", 0, ">= 1 position"),
+                                              ("repair_log_tokens", -1, ">= 0 positions")])
 def test_bad_memory_flags_are_refused_by_name(tiny_model, field, value, says):
     with pytest.raises(ValueError, match=says):
         StageConfig(model=str(tiny_model), layer_start=0, layer_end=8, **{field: value})

@@ -11,7 +11,7 @@ import logging
 import grpc
 import pytest
 
-from stagemesh import tensor_codec
+from stagemesh import metrics, tensor_codec
 from stagemesh.router import repair
 from stagemesh.router.chain_client import Chain, StageEndpoint
 from stagemesh.router.forwarding import ForwardingSession
@@ -64,21 +64,36 @@ async def test_a_repaired_forwarding_chain_continues_exact(tiny_model, hf_models
 
 
 async def test_a_stage_whose_log_was_dropped_is_replayed_exact(tiny_model, hf_models, caplog):
-    """Stages with no room for output logs (--output-log-gb 0): the forwarding stream whose middle stage stops is
-    replayed on the other chain, exact, as before repair."""
-    caplog.set_level(logging.INFO, logger="stagemesh.router")
-    mesh = await start_mesh(tiny_model, [LAYOUT, LAYOUT], stage_options={"output_log_gb": 0.0})
+    """Stages whose repair log is too small for the session (--repair-log-tokens 16, a 30-token prompt): each drops
+    the session's log at its first step, counted (stagemesh_stage_output_log_dropped_total{reason="full"}) and
+    logged; when the middle stage stops, the router's repair finds no log to rebuild from and falls back to a replay
+    on the other chain, counted (stagemesh_router_repair_fallbacks_total{reason="log_dropped"}) and logged with the
+    request's id; the stream is exact."""
+    caplog.set_level(logging.INFO, logger="stagemesh")
+    full = metrics.OUTPUT_LOG_DROPPED.labels("full")._value.get()
+    fallbacks = metrics.REPAIR_FALLBACKS.labels("log_dropped")._value.get()
+    mesh = await start_mesh(tiny_model, [LAYOUT, LAYOUT], stage_options={"repair_log_tokens": 16})
     try:
+        assert [s.sessions.log_budget.capacity_tokens for s in mesh.stages[0]] == [16, 16, 0]  # none on a last stage
+        assert "repair log: 16 tokens (0 MiB) in host memory, in chunks of 16" in caplog.text  # said once at start
         ids = prompt(30, seed=91)
-        call = mesh.router_stub.Generate(router_pb2.GenerateRequest(token_ids=ids, max_new_tokens=20))
+        call = mesh.router_stub.Generate(router_pb2.GenerateRequest(token_ids=ids, max_new_tokens=20,
+                                                                    request_id="dropped-log"))
         got = []
         while len(got) < 5:
             got.extend((await call.read()).token_ids)
         chain = next(c for c in mesh.stages if c[1].sessions.sessions)
+        assert all(s.output.lost for s in chain[0].sessions.sessions.values())
         await chain[1].stop(0)
         while (response := await call.read()) is not grpc.aio.EOF:
             got.extend(response.token_ids)
         assert got == hf_greedy(hf_models["llama"], ids, 20)
-        assert "FAILED_PRECONDITION" in caplog.text and "replaying" in caplog.text
+        assert metrics.OUTPUT_LOG_DROPPED.labels("full")._value.get() >= full + 2  # chain A's first two stages
+        assert metrics.REPAIR_FALLBACKS.labels("log_dropped")._value.get() == fallbacks + 1
+        dropped = [r for r in caplog.records if r.getMessage().startswith("output log dropped (full)")]
+        assert dropped and all(r.request_id == "dropped-log" for r in dropped)
+        fallback = [r for r in caplog.records if getattr(r, "reason", "") == "log_dropped"]
+        assert len(fallback) == 1 and fallback[0].request_id == "dropped-log"
+        assert "FAILED_PRECONDITION" in fallback[0].getMessage() and "replaying" in caplog.text
     finally:
         await mesh.stop()

@@ -12,12 +12,14 @@ import grpc
 import pytest
 import torch
 
-from stagemesh import grpc_server, tensor_codec, wire
+from stagemesh import grpc_server, metrics, tensor_codec, wire
 from stagemesh.router import repair
 from stagemesh.router.chain_client import Chain, ChainSession, StageEndpoint
 from stagemesh.router.forwarding import ForwardingSession
 from stagemesh.router.step_values import Sampling
-from stagemesh.stage_server.service.output_log import LogBudget, OutputLog
+from stagemesh.stage_server.engine.kv_pool import KVPool
+from stagemesh.stage_server.service.output_log import OutputLog, RepairLog
+from stagemesh.stage_server.service.sessions import SessionTable
 from stagemesh.v1 import router_pb2, router_pb2_grpc, stage_pb2, stage_pb2_grpc
 from tests.conftest import hf_greedy, splits, start_mesh
 from tests.harness.fault_mesh import FaultMesh
@@ -47,22 +49,50 @@ async def assert_repaired_exactly(hf, ids: list[int], tokens: list[int], got: li
     assert all(s.sessions.log_budget.used_bytes == 0 for s in live)
 
 
-def test_output_log_grows_within_its_budget_and_is_freed():
-    budget = LogBudget(64 * 4 * 4)  # 64 rows of 4 float32
-    log = OutputLog(budget)
-    log.append(0, torch.arange(12.0).view(3, 4))
-    log.append(3, torch.ones(20, 4))
-    assert log.length == 23 and log.covers(0, 23) and not log.covers(0, 24)
-    assert [(a, r.shape[0]) for a, r in log.read(0, 23, 10)] == [(0, 10), (10, 10), (20, 3)]
-    assert torch.equal(next(log.read(1, 2, 5))[1], torch.tensor([[4.0, 5, 6, 7]]))
-    held = budget.used_bytes
-    assert 0 < held <= budget.capacity_bytes
-    log.append(23, torch.ones(100, 4))  # past the budget: the log is given up, its bytes returned
-    assert log.lost and not log.covers(0, 1) and budget.used_bytes == 0 and budget.dropped == 1
-    other = OutputLog(budget)
-    other.append(0, torch.ones(2, 4))
-    other.append(5, torch.ones(1, 4))  # a gap: useless for a rebuild, dropped
-    assert other.lost and budget.used_bytes == 0
+def test_the_chunked_output_log_reads_what_was_written_across_chunks_and_reuse(caplog):
+    """Sessions' logs share one RepairLog of fixed-size chunks: writes that cross chunk bounds (and chunks given
+    back by one session, taken by another in another order) read back exactly, position for position; a log that
+    finds no free chunk is dropped whole, counted by reason, its chunks returned; so is one with a gap."""
+    caplog.set_level(logging.INFO, logger="stagemesh")
+    hidden = 4
+    budget = RepairLog(40, hidden, torch.float32, chunk_tokens=8)  # 5 chunks of 8
+    assert (budget.capacity_tokens, budget.capacity_bytes, budget.used_bytes) == (40, 40 * 16, 0)
+    rows = torch.randn(64, hidden)
+    a, b = OutputLog(budget), OutputLog(budget)
+    a.append(0, rows[:3])  # within chunk 0
+    b.append(0, rows[:11])  # crosses into b's 2nd chunk
+    a.append(3, rows[3:13])  # 3..12: the rest of a's 1st chunk, then its 2nd
+    a.append(13, rows[13:14])
+    assert a.chunks[1] != a.chunks[0] + 1  # b's chunks between: a's read is stitched from two runs
+    assert a.length == 14 and a.covers(0, 14) and not a.covers(0, 15)
+    assert [(at, r.shape[0]) for at, r in a.read(0, 14, 5)] == [(0, 5), (5, 5), (10, 4)]
+    assert torch.equal(torch.cat([r for _, r in a.read(0, 14, 5)]), rows[:14])
+    assert torch.equal(torch.cat([r for _, r in b.read(2, 11, 3)]), rows[2:11])
+    assert budget.used_bytes == 4 * 8 * hidden * 4
+    a.length = 6  # a rewind (SessionBatch.reroute): 6.. are written again, in the chunks it holds
+    a.append(6, -rows[6:20])
+    assert torch.equal(next(a.read(0, 20, 20))[1], torch.cat([rows[:6], -rows[6:20]]))
+    b.drop()  # b's chunks go back and are taken by c, written over
+    c = OutputLog(budget)
+    c.append(0, rows[40:56])
+    assert torch.equal(next(c.read(0, 16, 16))[1], rows[40:56])
+    assert torch.equal(next(a.read(0, 20, 20))[1], torch.cat([rows[:6], -rows[6:20]]))  # a's rows untouched
+    dropped = metrics.OUTPUT_LOG_DROPPED.labels("full")._value.get()
+    a.append(20, rows[:30])  # needs 4 more chunks, 1 is free: given up whole
+    assert a.lost and not a.covers(0, 1) and budget.dropped == 1
+    assert metrics.OUTPUT_LOG_DROPPED.labels("full")._value.get() == dropped + 1
+    assert budget.used_bytes == 2 * 8 * hidden * 4  # c's two chunks
+    gap = OutputLog(budget)
+    gap.append(0, rows[:2])
+    gap.append(5, rows[:1])  # a gap: useless for a rebuild, dropped
+    assert gap.lost and budget.dropped == 2 and budget.used_bytes == 2 * 8 * hidden * 4
+    said = {r.getMessage().split(":")[0]: r.levelno for r in caplog.records}  # full: a warning; a gap: only info
+    assert said == {"output log dropped (full)": logging.WARNING, "output log dropped (gap)": logging.INFO}
+    c.drop()
+    assert budget.used_bytes == 0 and sorted(budget.free) == list(range(5))
+    pool = KVPool(1 << 20, 1, 1, 4, torch.float32, block_size=8)
+    assert SessionTable(pool, 64, RepairLog(0, hidden, torch.float32)).open("none", 8, keep_output=True).output is None
+    assert SessionTable(pool, 64, budget).open("kept", 8, keep_output=True).output is not None
 
 
 @pytest.fixture(scope="module")

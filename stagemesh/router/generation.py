@@ -122,7 +122,7 @@ class GenerationConfig:
     repair: bool = True
     """When a stage fails mid-stream and another chain has a stage serving the same layers, that stage takes its
     place and only it is rebuilt, from the previous stage's log of what it sent on (router/repair.py); the
-    stages keep such logs (--output-log-gb) for this; a session whose log was dropped is replayed."""
+    stages keep such logs (--repair-log-tokens) for this; a session whose log was dropped is replayed."""
     wire_dtype: str = field(default="", metadata={"choices": ("", *WIRE_DTYPES)})
     """Hidden states between stages: "" (each stage's own dtype), float32, bfloat16, float16 or int8."""
     step_timeout_s: float = 10.0

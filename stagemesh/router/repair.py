@@ -10,7 +10,7 @@ rebuilt, then every stage is rewound to the position before the failed step and 
 at it (SessionBatch.reroute), and the failed step is sent again from the router.
 
 Replayed instead: a relay session whose stages' positions are not known (a failure while a chunked prefill
-was in flight at several stages), a session whose previous stage kept no log (--output-log-gb), a failure
+was in flight at several stages), a session whose previous stage kept no log (--repair-log-tokens), a failure
 that names no stage (a hung chain's timeout), and one with no stage to take the place."""
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from stagemesh import metrics
 from stagemesh.router.chain_client import ChainSession, StageEndpoint, background
 from stagemesh.router.chains import ChainSet
 from stagemesh.router.forwarding import ForwardingSession, deadline_exceeded
+from stagemesh.router.repair_fallback import failed_reason, fall_back, reason_of
 from stagemesh.router.session_mux import REROUTED, mux_of
 from stagemesh.router.step_values import StepResult
 from stagemesh.v1 import stage_pb2, tensor_pb2
@@ -214,7 +215,8 @@ class Repairs:
         why = possible(session, exc) if self.enabled else "repair is off"
         stage = replacement(self.chains, session, session.failed_stage) if not why else None
         if stage is None:
-            log.info(f"not repairing ({why or 'no other stage serves those layers'})", extra=self.log_extra)
+            why = why or "no other stage serves those layers"
+            fall_back(reason_of(why), why, self.log_extra)
             return None
         dead = session.chain.stages[session.failed_stage]
         for chain in self.chains.usable():
@@ -226,6 +228,12 @@ class Repairs:
                     f"of {'token ids' if session.failed_stage == 0 else 'the previous stage output log'}",
                     extra=self.log_extra)
         metrics.REPAIRS.inc()
-        if isinstance(session, ForwardingSession):
-            return await forwarding_repair(session, stage, history, chunk)
-        return await repair(session, stage, history, chunk)
+        try:
+            if isinstance(session, ForwardingSession):
+                return await forwarding_repair(session, stage, history, chunk)
+            return await repair(session, stage, history, chunk)
+        except grpc.aio.AioRpcError as failed:
+            if failed.code() != grpc.StatusCode.DEADLINE_EXCEEDED:  # the request ends there: nothing is replayed
+                fall_back(failed_reason(failed), f"the repair failed ({failed.code().name}: {failed.details()})",
+                          self.log_extra)
+            raise

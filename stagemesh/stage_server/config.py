@@ -132,10 +132,14 @@ class StageConfig:
     torch_dtype), a float32 checkpoint in bfloat16 on CUDA (stagemesh/checkpoint.py, serving_dtype)."""
     kv_cache_gb: float | None = None
     """KV cache pool size (default: a quarter of the memory available at start), allocated once, in blocks."""
-    output_log_gb: float = 0.25
-    """Repair: memory for the logs of hidden states this stage sent on, for sessions whose router asked for one
-    (keep_output), so that a stage replacing a dead next stage is rebuilt from them instead of the whole chain
-    being replayed; a session whose log does not fit can only be replayed (0: keep none)."""
+    repair_log_tokens: int | None = None
+    """Repair: positions of hidden states this stage keeps for the sessions it sends on (their output logs, for
+    routers that ask: keep_output), so that a stage replacing a dead next stage is rebuilt from them instead of the
+    whole chain being replayed. Allocated once, in chunks of --kv-block-size positions: on the stage's device
+    where its memory plan has room, else in pinned host memory (stage_server/engine/memory_plan.py). Default: as many
+    as the KV pool holds (every position can be logged; the KV pool is sized with the log's share counted), none on
+    a last stage. A session whose log does not fit is replayed, counted (stagemesh_stage_output_log_dropped_total)
+    and logged (0: keep none)."""
     kv_block_size: int = 16
     """Positions per KV block: sessions take blocks as they grow and return them when they end."""
     kv_lookahead_blocks: int = 4
@@ -261,8 +265,9 @@ class StageConfig:
             raise refused(self, "port", PORT_RULE)
         if self.kv_cache_gb is not None and not self.kv_cache_gb > 0:
             raise refused(self, "kv_cache_gb", "must be > 0 GiB (leave it out for a quarter of the available memory)")
-        if not self.output_log_gb >= 0:
-            raise refused(self, "output_log_gb", "must be >= 0 GiB (0: keep no output logs; failover replays)")
+        if self.repair_log_tokens is not None and not self.repair_log_tokens >= 0:
+            raise refused(self, "repair_log_tokens", "must be >= 0 positions (0: keep no output logs, failover "
+                                                     "replays; leave it out for the KV pool's capacity)")
         if not 1 <= self.kv_block_size <= 4096:
             raise refused(self, "kv_block_size", "must be 1..4096 positions (16 is ordinary)")
         if not self.kv_lookahead_blocks >= 0:

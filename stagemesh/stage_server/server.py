@@ -31,12 +31,12 @@ from stagemesh.stage_server.engine.batcher import StepBatcher
 from stagemesh.stage_server.engine.compiled import compile_stage, compiled_graphs, is_compiled
 from stagemesh.stage_server.engine.kv_pool import KVPool
 from stagemesh.stage_server.engine.loader import TORCH_DTYPES, load_stage
-from stagemesh.stage_server.engine.memory_plan import kv_pool_bytes
+from stagemesh.stage_server.engine.memory_plan import plan_memory
 from stagemesh.stage_server.engine.model import StageModel
 from stagemesh.stage_server.engine.quantize import check_fp8, linear_format, quantize
 from stagemesh.stage_server.engine.tensor_parallel import TPGroup, check_tp
 from stagemesh.stage_server.engine.warm_up import warm_up
-from stagemesh.stage_server.service.output_log import LogBudget
+from stagemesh.stage_server.service.output_log import RepairLog
 from stagemesh.stage_server.service.sessions import SessionTable, short_id
 from stagemesh.stage_server.service.stage_service import ERROR_CODES, StageService
 from stagemesh.v1 import stage_pb2, stage_pb2_grpc
@@ -239,11 +239,17 @@ class StageServer:
         config, args = self.config, model.args
         graphs = (not config.enforce_eager and model.device.type == "cuda" and not config.compile
                   and config.tp == 1)  # --compile has its own graphs; --tp ranks step together
-        kv_bytes = await self.in_compute(kv_pool_bytes, model, config.kv_cache_gb, self.pass_tokens,
-                                         config.gpu_memory_utilization, graphs)
-        self.pool = await self.in_compute(KVPool, kv_bytes, len(model.layers), args.num_kv_heads, args.head_dim,
+        plan = await self.in_compute(plan_memory, model, config.kv_cache_gb, self.pass_tokens,
+                                     config.gpu_memory_utilization, graphs, config.repair_log_tokens)
+        self.pool = await self.in_compute(KVPool, plan.kv_bytes, len(model.layers), args.num_kv_heads, args.head_dim,
                                           model.dtype, model.device, config.kv_block_size, config.kv_lookahead_blocks,
                                           config.huge_pages)
+        repair_log = await self.in_compute(RepairLog, plan.log_tokens, args.hidden_size, model.dtype, plan.log_device,
+                                           config.kv_block_size)
+        log.info(f"repair log: {repair_log.capacity_tokens} tokens ({repair_log.capacity_bytes / 2**20:.0f} MiB) "
+                 f"{repair_log.where}, in chunks of {repair_log.chunk_tokens}, beside a KV pool of "
+                 f"{self.pool.usable_blocks * self.pool.block_size} positions"
+                 f"{' (the last stage sends nothing on)' if model.is_last else ''}", extra={"stage": self.address})
         warm = await self.in_compute(warm_up, model, self.pool, self.pass_tokens, graphs, self.max_len)
         warm_s = warm.seconds
         compiled = (f" with torch.compile ({compiled_graphs(model)} decode graphs)" if is_compiled(model)
@@ -253,7 +259,7 @@ class StageServer:
                  f"cold start {model.load_s:.2f}s before serving; "
                  f"a decode step ~{warm.step_ms:.1f} ms, a full pass ({self.pass_tokens} tokens) "
                  f"~{warm.full_pass_ms:.0f} ms", extra={"stage": self.address})
-        self.sessions = SessionTable(self.pool, self.max_len, LogBudget(int(config.output_log_gb * 2**30)),
+        self.sessions = SessionTable(self.pool, self.max_len, repair_log,
                                      prefix_cache=config.prefix_cache and config.tp == 1)
         sessions = self.sessions
         self.batcher = StepBatcher(model, config.batcher, self.compute, warm.step_ms, warm.full_pass_ms,

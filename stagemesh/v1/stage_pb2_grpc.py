@@ -182,7 +182,7 @@ class StageServicer:
         session's wire dtype. A router sends them to the stage that takes the place of this stage's dead next
         stage, which rebuilds its KV cache from them. Only the session's opener may read it (else NOT_FOUND);
         FAILED_PRECONDITION when the log does not hold those positions (not kept, or dropped for lack of
-        --output-log-gb).
+        --repair-log-tokens).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

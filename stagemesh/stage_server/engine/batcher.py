@@ -331,10 +331,13 @@ class StepBatcher:
                                         logprobs=None if token is None else token.logprobs))
                 self.timing.since("sample", t0, decode)
             else:
-                out = out.cpu()
+                on_device, out = out, out.cpu()
                 self.timing.since("model", t0, decode)
                 for req, st in zip(live, steps, strict=True):
                     results[id(req)] = StepResult(hidden=out[st.offset : st.offset + st.length])
+                    if req.session.output is not None:  # repair's log: copied here, in the pass's stream order
+                        rows = on_device if req.session.output.budget.device.type == on_device.device.type else out
+                        req.session.output.append(req.start, rows[st.offset : st.offset + st.length])
         return [results[id(r)] for r in batch]
 
     @staticmethod

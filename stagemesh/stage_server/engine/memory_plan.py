@@ -1,12 +1,21 @@
-"""How much of a device the KV pool may take: on a GPU, what is left of --gpu-memory-utilization's share once the
-weights, a full pass's activations (measured by one profiling pass) and the CUDA graphs' memory are counted, as
-vLLM sizes its cache; on a CPU, a quarter of the memory available at start.
+"""How much of a device the KV pool and the repair log may take: on a GPU, what is left of --gpu-memory-utilization's
+share once the weights, a full pass's activations (measured by one profiling pass) and the CUDA graphs' memory are
+counted, as vLLM sizes its cache; on a CPU, a quarter of the memory available at start.
 
 The pool is allocated once and never grows, so its size is the stage's capacity: how many sessions, how long.
 Sized after everything else, it takes what would otherwise sit unused, and graphs captured after it find the room
-they were counted."""
+they were counted.
+
+A stage with a next stage also keeps a repair log (service/output_log.py: the hidden states it sent on, a row per
+position). By default the room is split so that the pool and the log hold the same number of positions (every
+position the pool can hold can be logged), both on the device. A --repair-log-tokens of at most that many is
+taken from the room too; more than that does not fit beside the pool on the device and is kept in pinned host
+memory, the pool taking the whole room. With --kv-cache-gb the pool is what it says, and the log goes on the device
+only if the room left beside the pool holds it."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import psutil
 import torch
@@ -70,3 +79,50 @@ def kv_pool_bytes(model: StageModel, kv_cache_gb: float | None, pass_tokens: int
         _, total = torch.cuda.mem_get_info(model.device)
         return gpu_pool_bytes(total, torch.cuda.memory_allocated(model.device), peak, utilization, graphs)
     return psutil.virtual_memory().available // 4
+
+
+@dataclass
+class MemoryPlan:
+    kv_bytes: int
+    """The KV pool's bytes."""
+    log_tokens: int
+    """The repair log's positions (0: none: a last stage, or --repair-log-tokens 0)."""
+    log_device: torch.device
+    """Where the log lies: the stage's device, or the host (pinned where CUDA is available)."""
+
+
+def token_bytes(model: StageModel) -> tuple[int, int]:
+    """(KV pool bytes, repair log bytes) of one position on this stage; no log on a last stage (nothing goes on)."""
+    a, itemsize = model.args, model.dtype.itemsize
+    log_token = 0 if model.is_last else a.hidden_size * itemsize
+    return 2 * len(model.layers) * a.num_kv_heads * a.head_dim * itemsize, log_token
+
+
+def split_room(room: int, kv_token: int, log_token: int, log_tokens: int | None) -> tuple[int, int, bool]:
+    """(pool bytes, log tokens, log beside the pool) for `room` bytes shared by the pool and the log: by default
+    as many positions each; a log of more positions than that does not fit beside the pool (kept elsewhere)."""
+    even = room // (kv_token + log_token) if log_token else 0
+    tokens = even if log_tokens is None else log_tokens
+    if tokens * log_token and tokens <= even:
+        return room - tokens * log_token, tokens, True
+    return room, tokens if log_token else 0, False
+
+
+def plan_memory(model: StageModel, kv_cache_gb: float | None, pass_tokens: int, utilization: float, graphs: bool,
+                log_tokens: int | None) -> MemoryPlan:
+    """The KV pool's bytes and the repair log's size and place (the module's docstring says how)."""
+    kv_token, log_token = token_bytes(model)
+    host = torch.device("cpu")
+    if not kv_cache_gb:
+        pool, tokens, beside = split_room(kv_pool_bytes(model, None, pass_tokens, utilization, graphs), kv_token,
+                                          log_token, log_tokens)
+        return MemoryPlan(pool, tokens, model.device if beside else host)
+    pool = int(kv_cache_gb * 2**30)
+    tokens = (pool // kv_token if log_tokens is None else log_tokens) if log_token else 0
+    if model.device.type != "cuda" or not tokens:
+        return MemoryPlan(pool, tokens, host)
+    try:
+        room = kv_pool_bytes(model, None, pass_tokens, utilization, graphs) - pool
+    except NoRoomForPool:
+        room = 0
+    return MemoryPlan(pool, tokens, model.device if tokens * log_token <= room else host)

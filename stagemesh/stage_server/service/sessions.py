@@ -6,10 +6,12 @@ import hmac
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from stagemesh.stage_server.engine.kv_pool import KVPool, SessionCache
 from stagemesh.stage_server.engine.sampling import TokenHistory
 from stagemesh.stage_server.service.forwarding import Route
-from stagemesh.stage_server.service.output_log import LogBudget, OutputLog
+from stagemesh.stage_server.service.output_log import OutputLog, RepairLog
 
 LOGGED_ID_CHARS = 8
 """How much of a session id logs show: enough to follow a session, never enough to use it (the id is
@@ -63,11 +65,11 @@ class Session:
 
 
 class SessionTable:
-    def __init__(self, pool: KVPool, max_position: int, log_budget: LogBudget | None = None,
+    def __init__(self, pool: KVPool, max_position: int, log_budget: RepairLog | None = None,
                  prefix_cache: bool = False):
         self.pool = pool
         self.prefix_cache = prefix_cache  # sessions opened with prefix_ids attach (and leave) cached blocks
-        self.log_budget = log_budget or LogBudget(0)  # what the sessions' output logs may hold together
+        self.log_budget = log_budget or RepairLog(0, 1, torch.float32)  # the memory of the sessions' output logs
         self.max_position = max_position
         self.sessions: dict[str, Session] = {}
         self.open_attempts = 0  # refused ones too: how hard callers press on this stage
@@ -93,8 +95,10 @@ class SessionTable:
         cache = self.pool.allocate(max_length, keys, prefix_ids)  # raises PoolExhausted
         # A log whose session starts past 0 (positions attached) drops itself at its first step: no next stage
         # can be rebuilt from it; one rewound to 0 at its first step (the chain's other stages had less) logs all.
-        session = Session(session_id, request_id, cache, owner, route=route or Route(),
-                          output=OutputLog(self.log_budget) if keep_output else None)
+        # --repair-log-tokens 0: no log, and nothing said per session (the operator chose it).
+        output = (OutputLog(self.log_budget, {"session_id": short_id(session_id), "request_id": request_id})
+                  if keep_output and self.log_budget.capacity_tokens else None)
+        session = Session(session_id, request_id, cache, owner, route=route or Route(), output=output)
         self.sessions[session_id] = session
         return session
 

@@ -191,8 +191,6 @@ class StageService(stage_pb2_grpc.StageServicer):
 
     def _ran(self, request: stage_pb2.ForwardRequest, session: Session, result: StepResult, decode: bool) -> None:
         self.batcher.timing.decode_steps += decode
-        if session.output is not None:
-            session.output.append(request.start, result.hidden)
 
     def _response(self, session: Session, result: StepResult, wire_dtype: str = "") -> stage_pb2.ForwardResponse:
         response = stage_pb2.ForwardResponse(session_id=session.session_id)
