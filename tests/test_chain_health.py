@@ -7,10 +7,15 @@ from __future__ import annotations
 
 import asyncio
 
+from stagemesh import metrics
 from stagemesh.checkpoint import model_fingerprint
+from stagemesh.router.chain_probe import ChainProbeConfig
 from stagemesh.router.chains import ChainSet, parse_chain
-from tests.conftest import splits, start_mesh, until
+from stagemesh.router.generation import GenerationConfig
+from tests.conftest import hf_greedy, splits, start_mesh, until
 from tests.harness.link_proxy import LinkProxy
+from tests.test_exactness import prompt
+from tests.test_traffic import request
 
 
 async def test_a_check_in_flight_when_a_chain_fails_does_not_bring_it_back(tiny_model):
@@ -38,3 +43,62 @@ async def test_a_check_in_flight_when_a_chain_fails_does_not_bring_it_back(tiny_
             await stage.close()
         link.stop()
         await mesh.stop()
+
+
+def _probes(result: str) -> float:
+    return metrics.CHAIN_PROBES.labels(result)._value.get()
+
+
+async def test_a_black_holed_link_between_two_stages_takes_the_chain_out_by_its_probe(tiny_model, hf_models, caplog):
+    """Issue 46: the link from a chain's first stage to its second black-holed, while the router reaches both
+    directly (their own health checks pass). The chain's end-to-end probe fails, the chain is taken out and its
+    stream in flight fails over at once (the progress timeout is 600 s here: only the probe can move it in time)
+    and finishes exact on the other chain; the chain stays out while the link is down, whatever its stages' checks
+    say, and comes back once the link heals. The probes leave no session or KV block on any stage."""
+    mesh = await start_mesh(tiny_model, [splits(4, 4), splits(4, 4)],
+                            router_options={"probe": ChainProbeConfig(probe_interval_s=0.2),
+                                            "generation": GenerationConfig(step_timeout_s=600)})
+    chains = mesh.router.chains
+    links = []
+    try:
+        for chain in chains.chains:  # the router keeps its channel to the last stage, dialled directly; the address
+            last = chain.stages[1]   # it names to the first stage as its next goes through a link
+            last.channel  # noqa: B018
+            links.append(LinkProxy(last.address).start())
+            last.address = links[-1].address
+        await until(lambda: all(c.healthy for c in chains.chains), 30, "both chains up")
+        ids = prompt(12, seed=46)
+        expected = hf_greedy(hf_models["llama"], ids, 40)
+        failovers, timeouts = metrics.FAILOVERS._value.get(), metrics.STEP_TIMEOUTS._value.get()
+        failed = _probes("fail")
+        got, broken = [], None
+        async with asyncio.timeout(120):  # the stream waiting out its progress timeout would take 600 s
+            async for r in mesh.router_stub.Generate(request(ids, 40), timeout=600):
+                got.extend(r.token_ids)
+                if broken is None:
+                    broken = next(i for i, c in enumerate(chains.chains) if c.in_flight)
+                    links[broken].set(black_hole=True)
+        chain = chains.chains[broken]
+        assert got == expected
+        assert not chain.healthy and chain.chain_id in chains.held, "the probe took the chain out"
+        assert metrics.FAILOVERS._value.get() - failovers == 1
+        assert _probes("fail") - failed >= 2
+        # Failed probes count their own timeouts; no stream step waited out one.
+        assert metrics.STEP_TIMEOUTS._value.get() - timeouts <= _probes("fail") - failed
+        assert any(getattr(r, "request_id", "").startswith("probe-") for r in caplog.records), "probes log their id"
+
+        seen = _probes("fail")
+        for _ in range(3000):  # probes of the held chain keep failing: it does not come back meanwhile
+            assert not chain.healthy, "the chain came back while its link was down"
+            if _probes("fail") >= seen + 3:
+                break
+            await asyncio.sleep(0.01)
+        links[broken].set()
+        await until(lambda: chain.healthy, 30, "the chain back once its link healed")
+        assert chain.chain_id not in chains.held
+        infos = await mesh.settled_infos()
+        assert all(i.open_sessions == 0 and i.kv_blocks_used == 0 for i in infos), infos
+    finally:
+        await mesh.stop()
+        for link in links:
+            link.stop()

@@ -88,6 +88,8 @@ class Chain:
     problem: str = ""  # why its last check found it unusable (in ListChains), "" when it passed
     problem_key: str = ""  # what of it was logged last: each problem is logged once, not at every check
     withdrawn: bool = False  # no longer published: its channels close when its last stream ends
+    sessions: set = field(default_factory=set, repr=False, compare=False)
+    """Forwarding sessions open on it (router.forwarding): marking it down aborts them (ChainSet.mark_down)."""
 
     @property
     def label(self) -> str:
