@@ -7,11 +7,16 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
+
 from stagemesh import metrics
 from stagemesh.checkpoint import model_fingerprint
+from stagemesh.router.chain_client import Progress
 from stagemesh.router.chain_probe import ChainProbeConfig
 from stagemesh.router.chains import ChainSet, parse_chain
+from stagemesh.router.forwarding import ForwardingSession
 from stagemesh.router.generation import GenerationConfig
+from stagemesh.router.step_values import Sampling
 from tests.conftest import hf_greedy, splits, start_mesh, until
 from tests.harness.link_proxy import LinkProxy
 from tests.test_exactness import prompt
@@ -102,3 +107,40 @@ async def test_a_black_holed_link_between_two_stages_takes_the_chain_out_by_its_
         await mesh.stop()
         for link in links:
             link.stop()
+
+
+async def test_a_chain_marked_down_ends_the_steps_in_flight_on_it_at_once(tiny_model):
+    """The steps of two sessions stuck on a chain (its last stage's link black-holed; their progress timeout is
+    600 s) end UNAVAILABLE as soon as the chain is marked down, naming no stage (so their streams replay
+    elsewhere); a session opened on the chain afterwards is not touched by it."""
+    mesh = await start_mesh(tiny_model, [splits(4, 4)], router=False)
+    link = LinkProxy(mesh.stages[0][1].address).start()
+    chains = ChainSet([parse_chain(f"{mesh.stages[0][0].address},{link.address}")], 8,
+                      model_fingerprint(str(tiny_model)))
+    chain = chains.chains[0]
+    slow = Progress(floor_s=600)
+    try:
+        async with (ForwardingSession(chain, 64, "stuck-1", progress=slow) as one,
+                    ForwardingSession(chain, 64, "stuck-2", progress=slow) as two):
+            assert chain.sessions == {one, two}
+            token = (await one.step(prompt(5, seed=1), sampling=Sampling())).token_id
+            link.set(black_hole=True)
+            steps = [one.step_ahead([token], sampling=Sampling()),
+                     two.step_ahead(prompt(5, seed=2), sampling=Sampling())]
+            await asyncio.sleep(0.2)
+            assert not any(s.done() for s in steps)
+            chains.mark_down(chain, "a test took it out")
+            async with asyncio.timeout(30):
+                failures = await asyncio.gather(*steps, return_exceptions=True)
+            assert all(isinstance(f, grpc.aio.AioRpcError) and f.code() == grpc.StatusCode.UNAVAILABLE
+                       and "a test took it out" in f.details() for f in failures), failures
+            assert one.failed_stage is None and two.failed_stage is None, "no stage is blamed: a replay, no repair"
+        assert not chain.sessions
+        link.set()
+        async with ForwardingSession(chain, 64, "after", progress=slow) as after:
+            assert (await after.step(prompt(5, seed=1), sampling=Sampling())).token_id == token
+    finally:
+        for stage in chain.stages:
+            await stage.close()
+        link.stop()
+        await mesh.stop()

@@ -109,6 +109,10 @@ class ChainProber:
                 return
             if outcome == BUSY:
                 return
+            if await self.chains.check(chain) is False:
+                # A stage is down by its own check (draining, stopped, not serving its range): the health checks
+                # take the chain out, and a draining stage's streams finish; holding it would cut them.
+                return
             failures = self.failures[chain.chain_id] = self.failures.get(chain.chain_id, 0) + 1
             if failures >= self.config.probe_failures and not held:
                 self.chains.hold(chain, f"its end-to-end probe failed {failures} times in a row "
