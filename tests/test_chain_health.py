@@ -144,3 +144,40 @@ async def test_a_chain_marked_down_ends_the_steps_in_flight_on_it_at_once(tiny_m
             await stage.close()
         link.stop()
         await mesh.stop()
+
+
+async def test_a_probe_stuck_behind_a_queue_while_streams_get_through_does_not_take_the_chain_out(
+        tiny_model, hf_models, monkeypatch):
+    """The first stage holds every probe's step back 5 s (a queue the stages have not reported yet), far past the
+    probes' deadline, while a stream on the chain gets its tokens: the probes fail, but traffic gets through the
+    chain end to end, so they do not count. The chain stays in service, its stream is neither aborted nor failed
+    over (it has no other chain: an abort would fail it) and its tokens are exact."""
+    mesh = await start_mesh(tiny_model, [splits(4, 4)],
+                            router_options={"probe": ChainProbeConfig(probe_interval_s=0.1, probe_timeout_s=0.2)})
+    chain = mesh.router.chains.chains[0]
+    first = mesh.stages[0][0]
+    submit = first.batcher.submit
+
+    async def probes_held_up(req):
+        # Probes wait 5 s, the stream's steps 40 ms each: it outlasts several probe deadlines (0.2 s + margin).
+        await asyncio.sleep(5.0 if req.session.request_id.startswith("probe-") else 0.04)
+        return await submit(req)
+
+    try:
+        await until(lambda: chain.healthy, 30, "the chain up")
+        ids = prompt(12, seed=7)
+        expected = hf_greedy(hf_models["llama"], ids, 150)
+        failovers, failed = metrics.FAILOVERS._value.get(), _probes("fail")
+        got, down = [], 0
+        async with asyncio.timeout(120):
+            async for r in mesh.router_stub.Generate(request(ids, 150), timeout=120):
+                if not got:
+                    monkeypatch.setattr(first.batcher, "submit", probes_held_up)
+                got.extend(r.token_ids)
+                down += not chain.healthy
+        assert got == expected
+        assert _probes("fail") - failed >= 2, "the probes failed meanwhile (else this test proves nothing)"
+        assert metrics.FAILOVERS._value.get() == failovers and not down, "traffic got through: the chain stayed up"
+        assert chain.chain_id not in mesh.router.chains.held
+    finally:
+        await mesh.stop()

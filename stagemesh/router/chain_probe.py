@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import time
 from dataclasses import dataclass
 
 import grpc
@@ -97,9 +98,10 @@ class ChainProber:
 
     async def run(self, chain: Chain) -> None:
         """Probes a chain until a probe passes, or --probe-failures have failed in a row (then it is held down), or
-        one finds it full; a chain held down, once."""
+        one finds it full or its streams answered meanwhile; a chain held down, once."""
         held = chain.chain_id in self.chains.held
         for _ in range(1 if held else self.config.probe_failures):
+            started = time.monotonic()
             outcome = await self.probe(chain)
             if chain.withdrawn:
                 return
@@ -107,7 +109,9 @@ class ChainProber:
                 self.failures.pop(chain.chain_id, None)
                 self.chains.unhold(chain)
                 return
-            if outcome == BUSY:
+            if outcome == BUSY or chain.answered_at > started:
+                # Full, or streams got the last stage's answers while the probe waited (its step stuck behind a
+                # queue the stages had not reported yet): traffic gets through, so the path is not broken.
                 return
             if await self.chains.check(chain) is False:
                 # A stage is down by its own check (draining, stopped, not serving its range): the health checks
