@@ -73,6 +73,9 @@ TOKEN_TURNAROUND = Histogram(
 PANIC_TABLES = Counter("stagemesh_router_panic_tables_total",
                        "Published chain tables followed only in part: they dropped most of the chains passing the "
                        "router's checks (--panic-threshold), and those kept serving")
+CHAIN_PROBES = Counter("stagemesh_router_chain_probes_total",
+                       "End-to-end chain probes (one token stepped through a whole chain) by result: pass, fail, or "
+                       "busy (a stage had no room for the probe's session)", ["result"])
 FAILOVERS = Counter("stagemesh_router_failovers_total", "Streams moved to another chain after a stage failed")
 REPAIRS = Counter("stagemesh_router_repairs_total",
                   "Streams kept on their chain after a stage failed, another stage taking its place (rebuilt alone)")

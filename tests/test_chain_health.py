@@ -7,10 +7,20 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
+
+from stagemesh import metrics
 from stagemesh.checkpoint import model_fingerprint
+from stagemesh.router.chain_client import Progress
+from stagemesh.router.chain_probe import ChainProbeConfig
 from stagemesh.router.chains import ChainSet, parse_chain
-from tests.conftest import splits, start_mesh, until
+from stagemesh.router.forwarding import ForwardingSession
+from stagemesh.router.generation import GenerationConfig
+from stagemesh.router.step_values import Sampling
+from tests.conftest import hf_greedy, splits, start_mesh, until
 from tests.harness.link_proxy import LinkProxy
+from tests.test_exactness import prompt
+from tests.test_traffic import request
 
 
 async def test_a_check_in_flight_when_a_chain_fails_does_not_bring_it_back(tiny_model):
@@ -37,4 +47,137 @@ async def test_a_check_in_flight_when_a_chain_fails_does_not_bring_it_back(tiny_
         for stage in chain.stages:
             await stage.close()
         link.stop()
+        await mesh.stop()
+
+
+def _probes(result: str) -> float:
+    return metrics.CHAIN_PROBES.labels(result)._value.get()
+
+
+async def test_a_black_holed_link_between_two_stages_takes_the_chain_out_by_its_probe(tiny_model, hf_models, caplog):
+    """Issue 46: the link from a chain's first stage to its second black-holed, while the router reaches both
+    directly (their own health checks pass). The chain's end-to-end probe fails, the chain is taken out and its
+    stream in flight fails over at once (the progress timeout is 600 s here: only the probe can move it in time)
+    and finishes exact on the other chain; the chain stays out while the link is down, whatever its stages' checks
+    say, and comes back once the link heals. The probes leave no session or KV block on any stage."""
+    mesh = await start_mesh(tiny_model, [splits(4, 4), splits(4, 4)],
+                            router_options={"probe": ChainProbeConfig(probe_interval_s=0.2),
+                                            "generation": GenerationConfig(step_timeout_s=600)})
+    chains = mesh.router.chains
+    links = []
+    try:
+        for chain in chains.chains:  # the router keeps its channel to the last stage, dialled directly; the address
+            last = chain.stages[1]   # it names to the first stage as its next goes through a link
+            last.channel  # noqa: B018
+            links.append(LinkProxy(last.address).start())
+            last.address = links[-1].address
+        await until(lambda: all(c.healthy for c in chains.chains), 30, "both chains up")
+        ids = prompt(12, seed=46)
+        expected = hf_greedy(hf_models["llama"], ids, 40)
+        failovers, timeouts = metrics.FAILOVERS._value.get(), metrics.STEP_TIMEOUTS._value.get()
+        failed = _probes("fail")
+        got, broken = [], None
+        async with asyncio.timeout(120):  # the stream waiting out its progress timeout would take 600 s
+            async for r in mesh.router_stub.Generate(request(ids, 40), timeout=600):
+                got.extend(r.token_ids)
+                if broken is None:
+                    broken = next(i for i, c in enumerate(chains.chains) if c.in_flight)
+                    links[broken].set(black_hole=True)
+        chain = chains.chains[broken]
+        assert got == expected
+        assert not chain.healthy and chain.chain_id in chains.held, "the probe took the chain out"
+        assert metrics.FAILOVERS._value.get() - failovers == 1
+        assert _probes("fail") - failed >= 2
+        # Failed probes count their own timeouts; no stream step waited out one.
+        assert metrics.STEP_TIMEOUTS._value.get() - timeouts <= _probes("fail") - failed
+        assert any(getattr(r, "request_id", "").startswith("probe-") for r in caplog.records), "probes log their id"
+
+        seen = _probes("fail")
+        for _ in range(3000):  # probes of the held chain keep failing: it does not come back meanwhile
+            assert not chain.healthy, "the chain came back while its link was down"
+            if _probes("fail") >= seen + 3:
+                break
+            await asyncio.sleep(0.01)
+        links[broken].set()
+        await until(lambda: chain.healthy, 30, "the chain back once its link healed")
+        assert chain.chain_id not in chains.held
+        infos = await mesh.settled_infos()
+        assert all(i.open_sessions == 0 and i.kv_blocks_used == 0 for i in infos), infos
+    finally:
+        await mesh.stop()
+        for link in links:
+            link.stop()
+
+
+async def test_a_chain_marked_down_ends_the_steps_in_flight_on_it_at_once(tiny_model):
+    """The steps of two sessions stuck on a chain (its last stage's link black-holed; their progress timeout is
+    600 s) end UNAVAILABLE as soon as the chain is marked down, naming no stage (so their streams replay
+    elsewhere); a session opened on the chain afterwards is not touched by it."""
+    mesh = await start_mesh(tiny_model, [splits(4, 4)], router=False)
+    link = LinkProxy(mesh.stages[0][1].address).start()
+    chains = ChainSet([parse_chain(f"{mesh.stages[0][0].address},{link.address}")], 8,
+                      model_fingerprint(str(tiny_model)))
+    chain = chains.chains[0]
+    slow = Progress(floor_s=600)
+    try:
+        async with (ForwardingSession(chain, 64, "stuck-1", progress=slow) as one,
+                    ForwardingSession(chain, 64, "stuck-2", progress=slow) as two):
+            assert chain.sessions == {one, two}
+            token = (await one.step(prompt(5, seed=1), sampling=Sampling())).token_id
+            link.set(black_hole=True)
+            steps = [one.step_ahead([token], sampling=Sampling()),
+                     two.step_ahead(prompt(5, seed=2), sampling=Sampling())]
+            await asyncio.sleep(0.2)
+            assert not any(s.done() for s in steps)
+            chains.mark_down(chain, "a test took it out")
+            async with asyncio.timeout(30):
+                failures = await asyncio.gather(*steps, return_exceptions=True)
+            assert all(isinstance(f, grpc.aio.AioRpcError) and f.code() == grpc.StatusCode.UNAVAILABLE
+                       and "a test took it out" in f.details() for f in failures), failures
+            assert one.failed_stage is None and two.failed_stage is None, "no stage is blamed: a replay, no repair"
+        assert not chain.sessions
+        link.set()
+        async with ForwardingSession(chain, 64, "after", progress=slow) as after:
+            assert (await after.step(prompt(5, seed=1), sampling=Sampling())).token_id == token
+    finally:
+        for stage in chain.stages:
+            await stage.close()
+        link.stop()
+        await mesh.stop()
+
+
+async def test_a_probe_stuck_behind_a_queue_while_streams_get_through_does_not_take_the_chain_out(
+        tiny_model, hf_models, monkeypatch):
+    """The first stage holds every probe's step back 5 s (a queue the stages have not reported yet), far past the
+    probes' deadline, while a stream on the chain gets its tokens: the probes fail, but traffic gets through the
+    chain end to end, so they do not count. The chain stays in service, its stream is neither aborted nor failed
+    over (it has no other chain: an abort would fail it) and its tokens are exact."""
+    mesh = await start_mesh(tiny_model, [splits(4, 4)],
+                            router_options={"probe": ChainProbeConfig(probe_interval_s=0.1, probe_timeout_s=0.2)})
+    chain = mesh.router.chains.chains[0]
+    first = mesh.stages[0][0]
+    submit = first.batcher.submit
+
+    async def probes_held_up(req):
+        # Probes wait 5 s, the stream's steps 40 ms each: it outlasts several probe deadlines (0.2 s + margin).
+        await asyncio.sleep(5.0 if req.session.request_id.startswith("probe-") else 0.04)
+        return await submit(req)
+
+    try:
+        await until(lambda: chain.healthy, 30, "the chain up")
+        ids = prompt(12, seed=7)
+        expected = hf_greedy(hf_models["llama"], ids, 150)
+        failovers, failed = metrics.FAILOVERS._value.get(), _probes("fail")
+        got, down = [], 0
+        async with asyncio.timeout(120):
+            async for r in mesh.router_stub.Generate(request(ids, 150), timeout=120):
+                if not got:
+                    monkeypatch.setattr(first.batcher, "submit", probes_held_up)
+                got.extend(r.token_ids)
+                down += not chain.healthy
+        assert got == expected
+        assert _probes("fail") - failed >= 2, "the probes failed meanwhile (else this test proves nothing)"
+        assert metrics.FAILOVERS._value.get() == failovers and not down, "traffic got through: the chain stayed up"
+        assert chain.chain_id not in mesh.router.chains.held
+    finally:
         await mesh.stop()

@@ -44,8 +44,10 @@ LOAD_S = 3.0
 """Requests served before a fault and after it heals: the load is steady and the mesh whole."""
 LEASE_S = 2.0
 """The stages' registration TTL (RegistrationConfig.ttl_s; etcd rounds a lease up to at least 2 s)."""
-STALL_S = 5.0
-"""A request that takes longer waited on something (an 8-token answer takes well under a second here)."""
+STALL_S = 10.0
+"""The router's progress timeout (--step-timeout-s, its default floor): a request that took longer waited one out
+on a broken chain (an 8-token answer takes well under a second here). A chain's end-to-end probe takes it out, and
+its streams off it, within --probe-interval-s plus --probe-failures probe deadlines (1 s and a margin each)."""
 
 
 def _env() -> dict[str, str]:
@@ -174,11 +176,14 @@ class Load:
         log.close()
         return self
 
-    def records(self, kind: str, since: float = 0.0) -> list[dict]:
+    def records(self, kind: str, since: float = 0.0, ended: bool = False) -> list[dict]:
+        """Records of a kind from `since` on: requests started then (ended: those that ended then, which counts
+        the ones in flight at `since` too) and samples taken then."""
         if not self.out.exists():
             return []
         lines = [json.loads(line) for line in self.out.read_text().splitlines() if line.endswith("}")]
-        return [r for r in lines if r["kind"] == kind and r.get("start", r.get("t", 0)) >= since]
+        return [r for r in lines if r["kind"] == kind
+                and r.get("end" if ended else "start", r.get("t", 0)) >= since]
 
     def wait(self, condition: Callable[[], bool], within_s: float, what: str) -> None:
         deadline = time.monotonic() + within_s
@@ -268,7 +273,7 @@ def mesh(tiny_model, tmp_path_factory):
             specs = [(h1, "scheduler", ["scheduler", *common, "--host", h1.address, "--metrics-port",
                                         str(SCHEDULER_METRICS_PORT)]),
                      (h1, "router", ["router", *common, "--host", h1.address, "--port", str(ROUTER_PORT),
-                                     "--drain-timeout-s", "1"])]
+                                     "--drain-timeout-s", "1", *os.environ.get("PROBE_ROUTER_ARGS", "").split()])]
             for name, host, layers in (("a0", h2, "0:4"), ("a1", h2, "4:8"), ("b0", h2, "0:4"), ("b1", h3, "4:8")):
                 specs.append((host, name, ["stage", *common, "--layers", layers, "--host", host.address, "--port", "0",
                                            "--host-id", host.name, "--threads", "1", "--kv-cache-gb", "0.05",
@@ -298,8 +303,8 @@ def test_the_mesh_serves_across_hosts_over_tls(mesh):
 
 @dataclass
 class Window:
-    """What the load saw from a fault's start to the end of the run: requests, failures, the slowest, and
-    the healthy chains the router listed, sample by sample."""
+    """What the load saw from a fault's start to the end of the run: requests (those in flight at its start
+    included), failures, the slowest, and the healthy chains the router listed, sample by sample."""
 
     requests: int
     failures: list[str]
@@ -311,7 +316,7 @@ class Window:
 
     @classmethod
     def of(cls, load: Load, since: float, until: float) -> Window:
-        done = load.records("request", since)
+        done = load.records("request", since, ended=True)  # those in flight at the fault too
         took = [r["end"] - r["start"] for r in done]
         return cls(len(done), [r["error"] for r in done if r["error"]], max(took, default=0.0),
                    sum(1 for t in took if t > STALL_S),
@@ -426,17 +431,17 @@ def test_the_etcd_leaders_host_partitioned_costs_no_request(mesh):
     assert not mesh.mismatched(load)
 
 
-@pytest.mark.xfail(strict=False, reason="issue 46, chains probed end to end: routers check each stage alone, so a "
-                   "chain whose stages cannot reach each other stays listed (it flaps), and each stream sent to it "
-                   "waits out the 10 s progress timeout before its replay on the other chain")
 def test_a_partition_between_two_stages_takes_their_chain_out_without_a_failed_or_stalled_request(mesh):
     """h2 and h3 no longer reach each other, the router reaches both: chain B's first stage cannot forward to its
     last. What must hold: the chain is taken out and stays out while the partition lasts, no request fails, and
-    none waits on the broken chain for longer than STALL_S."""
+    none waits out a progress timeout on the broken chain (STALL_S): its probe takes it out first, and its streams
+    fail over then. Without probes the chain stays listed and flaps, and each stream sent to it stalls ~11 s."""
     h1, h2, h3 = mesh.hosts
     load = mesh.load()
     try:
         t0, healed = _under_fault(mesh, load, 20.0, lambda: mesh.hosts.partition(h2, h3))
+        load.wait(lambda: (c := load.records("chains", healed)) and len(c[-1]["healthy"] or []) == 2, 60,
+                  "chain B back once its probe passes")
     finally:
         load.stop()
     seen = Window.of(load, t0, healed)

@@ -16,6 +16,7 @@ from prometheus_client import REGISTRY
 from stagemesh import grpc_server, metrics
 from stagemesh.errors import StatusError
 from stagemesh.router.chain_client import ChainSession, Progress
+from stagemesh.router.chain_probe import ChainProbeConfig
 from stagemesh.router.generation import Backoff, GenerationConfig
 from stagemesh.router.server import RouterConfig, RouterServer
 from stagemesh.router.step_values import Sampling
@@ -32,9 +33,11 @@ from tests.test_exactness import prompt
 from tests.test_traffic import request
 
 
-async def router_over(mesh, model, chain_specs: list[str], **generation) -> router_pb2_grpc.RouterStub:
+async def router_over(mesh, model, chain_specs: list[str], probe: ChainProbeConfig | None = None,
+                      **generation) -> router_pb2_grpc.RouterStub:
     """A router for the given chain specs (addresses may be link proxies in front of stages)."""
     mesh.router = RouterServer(RouterConfig(model=str(model), chains=chain_specs, port=0, health_interval_s=0.2,
+                                            probe=probe or ChainProbeConfig(),
                                             generation=GenerationConfig(**generation)))
     await mesh.router.start()
     return mesh.router_stub
@@ -116,8 +119,10 @@ async def test_a_session_waiting_upstream_for_its_first_step_is_not_expired_down
     monkeypatch.setattr(first.batcher, "submit", first_steps_held_up)
     failovers = REGISTRY.get_sample_value("stagemesh_router_failovers_total") or 0.0
     try:
+        # No end-to-end probes: their first steps would be held 1.5 s too, which the stage does not report, and a
+        # probe would rightly find the chain not answering in time (tests/test_chain_health.py covers probes).
         stub = await router_over(mesh, tiny_model, [f"{first.address},{last.address}"], step_timeout_s=30.0,
-                                 forwarding=forwarding)
+                                 forwarding=forwarding, probe=ChainProbeConfig(probe_interval_s=0))
         ids = prompt(16, seed=33)
         got, _, _ = await collect(stub.Generate(request(ids, 12), timeout=60))
         assert got == hf_greedy(hf_models["llama"], ids, 12)

@@ -88,6 +88,9 @@ class Chain:
     problem: str = ""  # why its last check found it unusable (in ListChains), "" when it passed
     problem_key: str = ""  # what of it was logged last: each problem is logged once, not at every check
     withdrawn: bool = False  # no longer published: its channels close when its last stream ends
+    sessions: set = field(default_factory=set, repr=False, compare=False)
+    """Forwarding sessions open on it (router.forwarding): marking it down aborts them (ChainSet.mark_down)."""
+    answered_at: float = 0.0  # when a step on it last got the last stage's answer (monotonic): traffic got through
 
     @property
     def label(self) -> str:
@@ -348,6 +351,7 @@ class ChainSession:
         self.position += tokens
         self.reached = [self.position] * len(self.chain.stages)
         self._token_read_at = time.perf_counter()
+        self.chain.answered_at = time.monotonic()
         return StepResult.from_pb(response)
 
     async def _step(self, token_ids: list[int], sampling: Sampling, chunk_size: int,

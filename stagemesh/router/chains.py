@@ -86,6 +86,9 @@ class ChainSet:
         # for the chains it adds (Envoy's panic threshold): see adopt().
         self.panic_threshold = panic_threshold
         self._published: dict[str, object] = {}  # each adopted chain's entry in the table that named it
+        # Chains whose end-to-end probe fails (router/chain_probe.py), by id, with why: down, whatever their stages'
+        # own checks say, until a probe passes again (hold(), unhold()).
+        self.held: dict[str, str] = {}
 
     async def adopt(self, published) -> None:
         """Follows a new table (discovery.chain_table.PublishedChain) make-before-break: the chains it adds are
@@ -157,6 +160,7 @@ class ChainSet:
             new.append(chain)
         gone = [c for c in self.chains if c.chain_id not in wanted_ids]
         self.chains = new
+        self.held = {k: why for k, why in self.held.items() if k in wanted_ids or k in self._withdrawn}
         for chain in gone:
             log.info(f"chain {chain.chain_id} ({chain.label}) withdrawn", extra={"chain": chain.chain_id})
             chain.withdrawn = True
@@ -214,11 +218,32 @@ class ChainSet:
         return min(room or candidates, key=_load)
 
     def mark_down(self, chain: Chain, why: str) -> None:
+        """Takes a chain out (a stream failed on it, its probe fails) and aborts the streams on it, which fail over
+        now rather than each at its progress timeout. The next health check that passes brings it back, unless
+        it is held (hold())."""
         if chain.healthy:
             log.warning(f"chain {chain.chain_id} ({chain.label}) is down: {why}", extra={"chain": chain.chain_id})
         chain.healthy = False
         chain.marked_down += 1
+        if chain.sessions:
+            log.warning(f"chain {chain.chain_id}: its {len(chain.sessions)} stream(s) fail over now",
+                        extra={"chain": chain.chain_id})
+            for session in list(chain.sessions):
+                session.abort(why)
         self._notify()
+
+    def hold(self, chain: Chain, why: str) -> None:
+        """Down until unhold(): its end-to-end probe failed (router/chain_probe.py), so stages that each pass their
+        own check do not bring it back."""
+        self.held[chain.chain_id] = why
+        chain.problem = why
+        self.mark_down(chain, why)
+
+    def unhold(self, chain: Chain) -> None:
+        """Its probe passed: the next health check that passes brings it back."""
+        if self.held.pop(chain.chain_id, None) is not None:
+            log.info(f"chain {chain.chain_id} ({chain.label}) passes its end-to-end probe again",
+                     extra={"chain": chain.chain_id})
 
     def _notify(self) -> None:
         if self.on_change:
@@ -257,7 +282,7 @@ class ChainSet:
         except ValueError as exc:  # a chain that is wrong, not just down: an error
             self._problem(chain, str(exc), logging.ERROR)
             return False
-        if chain.problem:
+        if chain.problem and chain.chain_id not in self.held:
             log.info(f"chain {chain.chain_id} ({chain.label}) passes its checks again", extra={"chain": chain.chain_id})
             chain.problem = chain.problem_key = ""
         chain.queued_steps = max(i.queued_steps for i in infos)
@@ -324,6 +349,8 @@ class ChainSet:
                 continue
             chain.late_checks = chain.late_checks + 1 if result is None else 0
             ok = result if result is not None else chain.healthy and chain.late_checks < LATE_CHECKS_TO_DOWN
+            if ok and chain.chain_id in self.held:  # its stages answer, but a step does not get through them
+                ok = False
             if ok != chain.healthy:
                 log.info(f"chain {chain.chain_id} ({chain.label}) is {'up' if ok else 'down'}",
                          extra={"chain": chain.chain_id})

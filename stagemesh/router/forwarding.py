@@ -23,6 +23,8 @@ from stagemesh.router.step_values import Sampling, StepResult
 from stagemesh.v1 import stage_pb2
 
 OPEN_SPAN = "/stagemesh.v1.Stage/OpenSession"
+ABORTED = "aborted"
+"""In an inbox: the session's chain was marked down (ForwardingSession.abort)."""
 
 
 class ForwardingSession(ChainSession):
@@ -35,6 +37,7 @@ class ForwardingSession(ChainSession):
         self.hop_keys = ["", *(secrets.token_hex(16) for _ in self.chain.stages[1:])]
         self._inbox: asyncio.Queue = asyncio.Queue()  # (stage index, opened | result | fault), from the muxes
         self._muxes: list[StageMux] = []
+        self._aborted = ""  # why its chain was marked down, once abort() was called
 
     def _open_request(self, index: int) -> stage_pb2.OpenSessionRequest:
         request = super()._open_request(index)
@@ -53,7 +56,16 @@ class ForwardingSession(ChainSession):
         except BaseException:
             await self.close()
             raise
+        self.chain.sessions.add(self)  # a chain marked down aborts it (abort())
         return self
+
+    def abort(self, why: str) -> None:
+        """Its chain was marked down (ChainSet.mark_down: a failed stream, its end-to-end probe): the step in flight,
+        or the next, ends now with UNAVAILABLE naming no stage, so the stream fails over (a replay) at once instead
+        of at its progress timeout. A session already handling a stage's fault (a repair) is left to it."""
+        if self.failed_stage is None and self._muxes and not self._aborted:
+            self._aborted = why
+            self._inbox.put_nowait((None, ABORTED))
 
     async def _open_all(self) -> None:
         """Every stage at once: one round trip. The first fault (in chain order) is raised once all have
@@ -88,6 +100,7 @@ class ForwardingSession(ChainSession):
 
     async def close(self) -> None:
         # Nothing waited on: a close rides the next batch (or the stream's end closes the session there).
+        self.chain.sessions.discard(self)
         for mux in self._muxes:
             mux.close(self.session_id)
         self._muxes = []
@@ -134,6 +147,10 @@ class ForwardingSession(ChainSession):
                     if isinstance(item, BaseException):
                         self.failed_stage = index
                         raise item
+                    if item is ABORTED:
+                        raise grpc.aio.AioRpcError(
+                            grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                            details=f"chain {self.chain.chain_id} was marked down ({self._aborted}): failing over now")
                     if index == last and item is not None:
                         return item
         except TimeoutError:

@@ -17,6 +17,7 @@ from stagemesh.discovery.backends import open_registry, plaintext_hosts
 from stagemesh.errors import StatusInterceptor
 from stagemesh.router.auth import AuthInterceptor, TokenAuth
 from stagemesh.router.chain_client import background
+from stagemesh.router.chain_probe import ChainProbeConfig, ChainProber
 from stagemesh.router.chain_watch import follow_chains
 from stagemesh.router.chains import ChainSet, parse_chain
 from stagemesh.router.generation import GenerationConfig
@@ -92,6 +93,7 @@ class RouterConfig:
     missing or full (0: no length rule, the least loaded chain)."""
     health_interval_s: float = 1.0
     """Seconds between health checks of every chain's stages."""
+    probe: ChainProbeConfig = field(default_factory=ChainProbeConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     public_port: PublicPortConfig = field(default_factory=PublicPortConfig)
     registry: str | None = None
@@ -244,6 +246,8 @@ class RouterServer:
             self.chains.accepted = read_accepted_digests(config.accept_fingerprints)
         for chain in self.chains.chains:
             chain.healthy = False  # until the first health check passes
+        self.prober = ChainProber(self.chains, config.probe, config.generation.forwarding,
+                                  config.generation.wire_dtype)
         self.admission = PriorityAdmission(config.admission, lambda: len(self.chains.usable()))
         self.service = RouterService(
             self.chains, tokenizer, model_config, eos_token_ids(config.model, tokenizer, model_config),
@@ -292,6 +296,8 @@ class RouterServer:
         await self.chains.refresh()
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self.chains.watch(self.config.health_interval_s))]
+        if self.config.probe.probe_interval_s:
+            self._tasks.append(loop.create_task(self.prober.watch()))
         if self.config.registry:
             self.registry = open_registry(self.config.registry, self.tls)
             self._tasks.append(loop.create_task(follow_chains(self.registry, self.config.model_name, self.chains)))
