@@ -246,7 +246,7 @@ class StageServer:
         self.batcher.start()
         self.model = model
         self.slot.current = StageService(model, self.sessions, self.batcher, config.model_name, self.fingerprint,
-                                         self.address, self.tls, config.plaintext.insecure)
+                                         self.address, self.tls, config.plaintext.insecure, config.queues)
         await grpc_server.set_serving(self.health, [SERVICE_NAME], True)
         bound = f", bound to {self.bind_address}" if self.bind_address != self.address else ""
         log.info(
@@ -327,6 +327,8 @@ class StageServer:
         metrics.KV_USED_BYTES.set(self.pool.used_bytes)
         metrics.KV_FREE_BYTES.set(self.pool.capacity_bytes - self.pool.used_bytes)
         metrics.QUEUED_STEPS.set(self.batcher.queued)
+        if self.slot.current is not None:
+            metrics.LINK_SESSIONS.set(self.slot.current.links.sessions)
 
     async def _watch_progress(self) -> None:
         """The watchdog: a stage whose event loop answers health checks while its compute thread is
