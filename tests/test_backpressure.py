@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import signal
 
 import grpc
@@ -22,6 +23,9 @@ from stagemesh.router.chain_client import Chain, Progress, StageEndpoint
 from stagemesh.router.forwarding import ForwardingSession
 from stagemesh.router.prefill_window import AHEAD_PER_STAGE
 from stagemesh.router.step_values import Sampling
+from stagemesh.stage_server.config import StageConfig
+from stagemesh.stage_server.server import StageServer
+from stagemesh.stage_server.server import log as server_log
 from stagemesh.v1 import stage_pb2, stage_pb2_grpc
 from tests.conftest import hf_greedy
 from tests.test_exactness import prompt
@@ -207,3 +211,22 @@ async def test_a_long_prompt_goes_only_a_few_chunks_ahead_of_a_stopped_stage(sta
     finally:
         for stage in chain.stages:
             await stage.close()
+
+
+async def test_a_slice_swap_without_room_for_both_releases_the_old_slice_first(tiny_model, caplog):
+    """--memory-gb that holds one slice and its pool, not two: the old slice goes before the new one loads
+    (and the log says so); with room for both, the new one loads beside the old, which serves meanwhile."""
+    server = StageServer(StageConfig(model=str(tiny_model), layer_start=0, layer_end=4, port=0, kv_cache_gb=0.05,
+                                     memory_gb=0.06))
+    await server.start(server.load(0, 4))
+    try:
+        with caplog.at_level(logging.WARNING, logger=server_log.name):
+            await server.swap(4, 8)
+            assert server.layers == (4, 8)
+            assert "releasing layers 0:4 before loading 4:8" in caplog.text
+            caplog.clear()
+            server.config.memory_gb = 64.0
+            await server.swap(0, 4)
+            assert server.layers == (0, 4) and "releasing" not in caplog.text
+    finally:
+        await server.stop(0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import time
 from collections.abc import Callable
@@ -267,7 +268,35 @@ class StageServer:
                 self.sessions.close(sid)
         if self.model is not None and self.model.tp_group is not None:
             self.model.tp_group.close()
-        self.model = None
+        # The old slice's weights and KV pool go now, before a new pool is sized and allocated in their place.
+        self.model, self.pool, self.sessions, self.batcher = None, None, None, None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    async def swap(self, layer_start: int, layer_end: int) -> None:
+        """Serves layers layer_start:layer_end instead: the new slice loads while the old one serves, unless memory
+        cannot hold both; then the old one is released first (and the stage serves nothing until the new is in)."""
+        if self.model is not None and (why := self._no_room_beside(layer_start, layer_end)):
+            log.warning(f"releasing layers {self.model.layer_start}:{self.model.layer_end} before loading "
+                        f"{layer_start}:{layer_end} ({why}): not serving until they are loaded",
+                        extra={"stage": self.address})
+            await self.deactivate()
+        await self.activate(await self.in_compute(self.load, layer_start, layer_end))
+
+    def _no_room_beside(self, layer_start: int, layer_end: int) -> str:
+        """Why the new slice's weights would not fit beside the old slice's ("": they fit). Estimated per layer from
+        the old slice; free memory is what --memory-gb leaves beside the old weights and pool, else the device's."""
+        model, pool = self.model, self.pool
+        held = sum(p.nbytes for p in model.parameters())
+        need = held * (layer_end - layer_start) // max(1, model.layer_end - model.layer_start)
+        if self.config.memory_gb:
+            free = int(self.config.memory_gb * 2**30) - held - (pool.capacity_bytes if pool else 0)
+        elif self.device.type == "cuda":
+            free = torch.cuda.mem_get_info(self.device)[0]
+        else:
+            free = psutil.virtual_memory().available
+        return "" if need < free else f"~{need / 2**20:.0f} MiB of new weights, {max(free, 0) / 2**20:.0f} MiB free"
 
     async def start(self, model: StageModel | None = None) -> None:
         """Starts serving: model's slice at once if given, else nothing until activate()."""
