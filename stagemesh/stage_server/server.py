@@ -221,6 +221,7 @@ class StageServer:
     async def activate(self, model: StageModel) -> None:
         """Serves model from now on; sessions of a previous slice are closed."""
         await self.deactivate()
+        self._release()
         config, args = self.config, model.args
         graphs = (not config.enforce_eager and model.device.type == "cuda" and not config.compile
                   and config.tp == 1)  # --compile has its own graphs; --tp ranks step together
@@ -268,8 +269,11 @@ class StageServer:
                 self.sessions.close(sid)
         if self.model is not None and self.model.tp_group is not None:
             self.model.tp_group.close()
-        # The old slice's weights and KV pool go now, before a new pool is sized and allocated in their place.
-        self.model, self.pool, self.sessions, self.batcher = None, None, None, None
+        self.model = None
+
+    def _release(self) -> None:
+        """Drops the old slice's KV pool (its weights went with deactivate) before a new one is sized and allocated."""
+        self.pool, self.sessions, self.batcher = None, None, None
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -282,6 +286,7 @@ class StageServer:
                         f"{layer_start}:{layer_end} ({why}): not serving until they are loaded",
                         extra={"stage": self.address})
             await self.deactivate()
+            self._release()
         await self.activate(await self.in_compute(self.load, layer_start, layer_end))
 
     def _no_room_beside(self, layer_start: int, layer_end: int) -> str:
