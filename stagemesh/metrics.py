@@ -126,6 +126,11 @@ OUTPUT_LOG_DROPPED = Counter("stagemesh_stage_output_log_dropped_total",
                              "prefix-cached positions); such a session is replayed, not repaired, if its next stage "
                              "fails", ["reason"])
 STALLED = Gauge("stagemesh_stage_stalled", "1 while steps wait and no pass finished within --stall-timeout-s")
+QUEUE_FULL_WAITS = Counter("stagemesh_stage_queue_full_waits_total",
+                           "Times a full queue held work back: stream (an incoming stream's reader stopped reading, "
+                           "--stream-queue-*), link (a pass waited for room on the link to its next stage, "
+                           "--relay-queue-mb)", ["queue"])
+LINK_SESSIONS = Gauge("stagemesh_stage_link_sessions", "Sessions the stage's links to next stages carry now")
 
 # Scheduler (every scheduler process; only the leader plans)
 SCHEDULER_LEADER = Gauge("stagemesh_scheduler_is_leader", "1 while this scheduler holds the leader lock")

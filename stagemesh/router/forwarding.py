@@ -17,6 +17,7 @@ import grpc
 
 from stagemesh import metrics, tracing
 from stagemesh.router.chain_client import ChainSession
+from stagemesh.router.prefill_window import Chunk, PrefillWindow
 from stagemesh.router.session_mux import StageMux, mux_of
 from stagemesh.router.stage_faults import stage_error
 from stagemesh.router.step_values import Sampling, StepResult
@@ -38,6 +39,8 @@ class ForwardingSession(ChainSession):
         self._inbox: asyncio.Queue = asyncio.Queue()  # (stage index, opened | result | fault), from the muxes
         self._muxes: list[StageMux] = []
         self._aborted = ""  # why its chain was marked down, once abort() was called
+        self._window = PrefillWindow(0, [], 0, 1)  # the step's chunks not yet sent (prefill_window.py)
+        self._step_asks: tuple[Sampling, bool] = (self.sampling, False)
 
     def _open_request(self, index: int) -> stage_pb2.OpenSessionRequest:
         request = super()._open_request(index)
@@ -121,20 +124,25 @@ class ForwardingSession(ChainSession):
         return await self._receive(len(token_ids))
 
     def _send(self, token_ids: list[int], sampling: Sampling, chunk_size: int, return_logits: bool) -> None:
-        first = self._muxes[0]
-        size = chunk_size if chunk_size and len(token_ids) > chunk_size else len(token_ids)
-        # Every chunk at once: the first stage computes chunk k + 1 while the next computes chunk k.
-        for k in range(0, len(token_ids), size):
-            request = first.step(self.session_id, self.position + k, token_ids[k: k + size])
-            if k + size >= len(token_ids):
+        # The first chunks now; each the last stage acknowledges lets one more go (_receive): the first stage
+        # computes chunk k + 1 while the next computes chunk k, and no stage is sent more than a few ahead.
+        self._window = PrefillWindow(self.position, token_ids, chunk_size, len(self._muxes))
+        self._step_asks = (sampling, return_logits)
+        self._send_chunks(self._window.take())
+        if self._token_read_at is not None:
+            metrics.TOKEN_TURNAROUND.observe(time.perf_counter() - self._token_read_at)
+            self._token_read_at = None
+
+    def _send_chunks(self, chunks: list[Chunk]) -> None:
+        sampling, return_logits = self._step_asks
+        for chunk in chunks:
+            request = self._muxes[0].step(self.session_id, chunk.start, chunk.token_ids)
+            if chunk.last:
                 request.return_logits = return_logits
                 if sampling != self.sampling:
                     request.sampling.CopyFrom(sampling.to_pb())
             else:
-                request.skip_sample = True
-        if self._token_read_at is not None:
-            metrics.TOKEN_TURNAROUND.observe(time.perf_counter() - self._token_read_at)
-            self._token_read_at = None
+                request.skip_sample = request.ack = True
 
     async def _receive(self, tokens: int) -> stage_pb2.ForwardResponse:
         """The last stage's answer to the step sent, or the first fault heard on the way."""
@@ -151,7 +159,10 @@ class ForwardingSession(ChainSession):
                         raise grpc.aio.AioRpcError(
                             grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
                             details=f"chain {self.chain.chain_id} was marked down ({self._aborted}): failing over now")
-                    if index == last and item is not None:
+                    if index == last and isinstance(item, stage_pb2.ForwardResponse) and item.ack:
+                        if self._muxes:  # a chunk reached the chain's end: the next may go
+                            self._send_chunks(self._window.acked())
+                    elif index == last and item is not None:
                         return item
         except TimeoutError:
             if timeout is not None and timeout <= limit:

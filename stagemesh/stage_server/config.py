@@ -11,6 +11,7 @@ from stagemesh import grpc_server
 from stagemesh.checkpoint import QUANTIZE, DtypeChoice, Quantization
 from stagemesh.config_flags import PORT_RULE, refused
 from stagemesh.discovery.backends import plaintext_hosts
+from stagemesh.stage_server.service.backpressure import QueueConfig
 from stagemesh.tls import PlaintextConfig
 from stagemesh.tracing import TracingConfig
 
@@ -164,6 +165,7 @@ class StageConfig:
     """On SIGTERM: out of the registry and NOT_SERVING at once, no new sessions, and this long for
     the sessions it holds to finish before the process exits (those left are cut: routers replay them)."""
     batcher: BatcherConfig = field(default_factory=BatcherConfig)
+    queues: QueueConfig = field(default_factory=QueueConfig)
     tracing: TracingConfig = field(default_factory=TracingConfig)
     metrics_port: int | None = None
     """Serve Prometheus metrics on this port (default: none): passes, tokens, sessions, KV pool, wire bytes."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import time
 from collections.abc import Callable
@@ -15,13 +16,7 @@ import torch
 from grpc_health.v1 import health_pb2
 
 from stagemesh import grpc_server, metrics, roles, tls
-from stagemesh.checkpoint import (
-    ModelArgs,
-    model_fingerprint,
-    read_config,
-    serving_dtype,
-    serving_fingerprint,
-)
+from stagemesh.checkpoint import ModelArgs, model_fingerprint, read_config, serving_dtype, serving_fingerprint
 from stagemesh.errors import StatusError, StatusInterceptor
 from stagemesh.stage_server.config import StageConfig, max_step_bytes, split_host_port
 from stagemesh.stage_server.cpu import decode_layers, huge_pages, packed_weights
@@ -234,6 +229,7 @@ class StageServer:
     async def activate(self, model: StageModel) -> None:
         """Serves model from now on; sessions of a previous slice are closed."""
         await self.deactivate()
+        self._release()
         # What the slice was read as: in Info from now, registered again by the caller (registration.py).
         self.fingerprint = model.fingerprint or self.fingerprint
         config, args = self.config, model.args
@@ -268,14 +264,11 @@ class StageServer:
         self.batcher.start()
         self.model = model
         self.slot.current = StageService(model, self.sessions, self.batcher, config.model_name, self.fingerprint,
-                                         self.address, self.tls, config.plaintext.insecure)
+                                         self.address, self.tls, config.plaintext.insecure, config.queues)
         await grpc_server.set_serving(self.health, [SERVICE_NAME], True)
         bound = f", bound to {self.bind_address}" if self.bind_address != self.address else ""
-        log.info(
-            f"stage serving layers {model.layer_start}:{model.layer_end} of {args.num_layers} on {self.address}"
-            f"{bound} ({model.dtype}, {model.device}, model {self.fingerprint})",
-            extra={"stage": self.address},
-        )
+        log.info(f"stage serving layers {model.layer_start}:{model.layer_end} of {args.num_layers} on {self.address}"
+                 f"{bound} ({model.dtype}, {model.device}, model {self.fingerprint})", extra={"stage": self.address})
 
     async def deactivate(self) -> None:
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -290,6 +283,38 @@ class StageServer:
         if self.model is not None and self.model.tp_group is not None:
             self.model.tp_group.close()
         self.model = None
+
+    def _release(self) -> None:
+        """Drops the old slice's KV pool (its weights went with deactivate) before a new one is sized and allocated."""
+        self.pool, self.sessions, self.batcher = None, None, None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    async def swap(self, layer_start: int, layer_end: int) -> None:
+        """Serves layers layer_start:layer_end instead: the new slice loads while the old one serves, unless memory
+        cannot hold both; then the old one is released first (and the stage serves nothing until the new is in)."""
+        if self.model is not None and (why := self._no_room_beside(layer_start, layer_end)):
+            log.warning(f"releasing layers {self.model.layer_start}:{self.model.layer_end} before loading "
+                        f"{layer_start}:{layer_end} ({why}): not serving until they are loaded",
+                        extra={"stage": self.address})
+            await self.deactivate()
+            self._release()
+        await self.activate(await self.in_compute(self.load, layer_start, layer_end))
+
+    def _no_room_beside(self, layer_start: int, layer_end: int) -> str:
+        """Why the new slice's weights would not fit beside the old slice's ("": they fit). Estimated per layer from
+        the old slice; free memory is what --memory-gb leaves beside the old weights and pool, else the device's."""
+        model, pool = self.model, self.pool
+        held = sum(p.nbytes for p in model.parameters())
+        need = held * (layer_end - layer_start) // max(1, model.layer_end - model.layer_start)
+        if self.config.memory_gb:
+            free = int(self.config.memory_gb * 2**30) - held - (pool.capacity_bytes if pool else 0)
+        elif self.device.type == "cuda":
+            free = torch.cuda.mem_get_info(self.device)[0]
+        else:
+            free = psutil.virtual_memory().available
+        return "" if need < free else f"~{need / 2**20:.0f} MiB of new weights, {max(free, 0) / 2**20:.0f} MiB free"
 
     async def start(self, model: StageModel | None = None) -> None:
         """Starts serving: model's slice at once if given, else nothing until activate()."""
@@ -349,6 +374,8 @@ class StageServer:
         metrics.KV_USED_BYTES.set(self.pool.used_bytes)
         metrics.KV_FREE_BYTES.set(self.pool.capacity_bytes - self.pool.used_bytes)
         metrics.QUEUED_STEPS.set(self.batcher.queued)
+        if self.slot.current is not None:
+            metrics.LINK_SESSIONS.set(self.slot.current.links.sessions)
 
     async def _watch_progress(self) -> None:
         """The watchdog: a stage whose event loop answers health checks while its compute thread is

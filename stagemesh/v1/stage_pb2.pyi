@@ -106,7 +106,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., suppress_ids: _Optional[_Iterable[int]] = ..., suppress_until: _Optional[int] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("session_id", "start", "token_ids", "hidden", "sampling", "return_logits", "skip_sample", "wire_dtype", "follow", "hop_key")
+    __slots__ = ("session_id", "start", "token_ids", "hidden", "sampling", "return_logits", "skip_sample", "wire_dtype", "follow", "hop_key", "ack")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -117,6 +117,7 @@ class ForwardRequest(_message.Message):
     WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     FOLLOW_FIELD_NUMBER: _ClassVar[int]
     HOP_KEY_FIELD_NUMBER: _ClassVar[int]
+    ACK_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     start: int
     token_ids: _tensor_pb2.Tensor
@@ -127,7 +128,8 @@ class ForwardRequest(_message.Message):
     wire_dtype: str
     follow: bool
     hop_key: str
-    def __init__(self, session_id: _Optional[str] = ..., start: _Optional[int] = ..., token_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., hidden: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., return_logits: _Optional[bool] = ..., skip_sample: _Optional[bool] = ..., wire_dtype: _Optional[str] = ..., follow: _Optional[bool] = ..., hop_key: _Optional[str] = ...) -> None: ...
+    ack: bool
+    def __init__(self, session_id: _Optional[str] = ..., start: _Optional[int] = ..., token_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., hidden: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., return_logits: _Optional[bool] = ..., skip_sample: _Optional[bool] = ..., wire_dtype: _Optional[str] = ..., follow: _Optional[bool] = ..., hop_key: _Optional[str] = ..., ack: _Optional[bool] = ...) -> None: ...
 
 class RelayBatch(_message.Message):
     __slots__ = ("steps",)
@@ -146,7 +148,7 @@ class RelayStatus(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., code: _Optional[int] = ..., details: _Optional[str] = ...) -> None: ...
 
 class ForwardResponse(_message.Message):
-    __slots__ = ("session_id", "hidden", "token_id", "logits", "logprob", "top_token_ids", "top_logprobs")
+    __slots__ = ("session_id", "hidden", "token_id", "logits", "logprob", "top_token_ids", "top_logprobs", "ack")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -154,6 +156,7 @@ class ForwardResponse(_message.Message):
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    ACK_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     hidden: _tensor_pb2.Tensor
     token_id: int
@@ -161,7 +164,8 @@ class ForwardResponse(_message.Message):
     logprob: float
     top_token_ids: _containers.RepeatedScalarFieldContainer[int]
     top_logprobs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, session_id: _Optional[str] = ..., hidden: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., token_id: _Optional[int] = ..., logits: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+    ack: bool
+    def __init__(self, session_id: _Optional[str] = ..., hidden: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., token_id: _Optional[int] = ..., logits: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., ack: _Optional[bool] = ...) -> None: ...
 
 class ReadOutputRequest(_message.Message):
     __slots__ = ("session_id", "start", "end", "chunk_tokens")
@@ -233,7 +237,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StageInfo(_message.Message):
-    __slots__ = ("model", "family", "layer_start", "layer_end", "num_layers", "is_first", "is_last", "dtype", "device", "hidden_size", "vocab_size", "max_position", "weight_bytes", "peak_rss_bytes", "open_sessions", "kv_used_bytes", "kv_capacity_bytes", "queued_steps", "step_ms", "pass_ms", "load_s", "max_batch_tokens", "fingerprint", "kv_block_size", "kv_blocks_used", "kv_blocks_total", "kv_preemptions", "decode_phase_seconds", "decode_steps", "tp_size", "output_log_bytes", "output_logs_dropped", "kv_prefix_blocks", "kv_prefix_hit_positions", "attention_kernel", "packed_weights", "cuda_graphs")
+    __slots__ = ("model", "family", "layer_start", "layer_end", "num_layers", "is_first", "is_last", "dtype", "device", "hidden_size", "vocab_size", "max_position", "weight_bytes", "peak_rss_bytes", "open_sessions", "kv_used_bytes", "kv_capacity_bytes", "queued_steps", "step_ms", "pass_ms", "load_s", "max_batch_tokens", "fingerprint", "kv_block_size", "kv_blocks_used", "kv_blocks_total", "kv_preemptions", "decode_phase_seconds", "decode_steps", "tp_size", "output_log_bytes", "output_logs_dropped", "kv_prefix_blocks", "kv_prefix_hit_positions", "attention_kernel", "packed_weights", "cuda_graphs", "link_sessions", "relay_queued_bytes", "streams_waiting")
     class DecodePhaseSecondsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -278,6 +282,9 @@ class StageInfo(_message.Message):
     ATTENTION_KERNEL_FIELD_NUMBER: _ClassVar[int]
     PACKED_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     CUDA_GRAPHS_FIELD_NUMBER: _ClassVar[int]
+    LINK_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    RELAY_QUEUED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STREAMS_WAITING_FIELD_NUMBER: _ClassVar[int]
     model: str
     family: str
     layer_start: int
@@ -315,4 +322,7 @@ class StageInfo(_message.Message):
     attention_kernel: str
     packed_weights: bool
     cuda_graphs: int
-    def __init__(self, model: _Optional[str] = ..., family: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_layers: _Optional[int] = ..., is_first: _Optional[bool] = ..., is_last: _Optional[bool] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_position: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., peak_rss_bytes: _Optional[int] = ..., open_sessions: _Optional[int] = ..., kv_used_bytes: _Optional[int] = ..., kv_capacity_bytes: _Optional[int] = ..., queued_steps: _Optional[int] = ..., step_ms: _Optional[float] = ..., pass_ms: _Optional[float] = ..., load_s: _Optional[float] = ..., max_batch_tokens: _Optional[int] = ..., fingerprint: _Optional[str] = ..., kv_block_size: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_preemptions: _Optional[int] = ..., decode_phase_seconds: _Optional[_Mapping[str, float]] = ..., decode_steps: _Optional[int] = ..., tp_size: _Optional[int] = ..., output_log_bytes: _Optional[int] = ..., output_logs_dropped: _Optional[int] = ..., kv_prefix_blocks: _Optional[int] = ..., kv_prefix_hit_positions: _Optional[int] = ..., attention_kernel: _Optional[str] = ..., packed_weights: _Optional[bool] = ..., cuda_graphs: _Optional[int] = ...) -> None: ...
+    link_sessions: int
+    relay_queued_bytes: int
+    streams_waiting: int
+    def __init__(self, model: _Optional[str] = ..., family: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_layers: _Optional[int] = ..., is_first: _Optional[bool] = ..., is_last: _Optional[bool] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_position: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., peak_rss_bytes: _Optional[int] = ..., open_sessions: _Optional[int] = ..., kv_used_bytes: _Optional[int] = ..., kv_capacity_bytes: _Optional[int] = ..., queued_steps: _Optional[int] = ..., step_ms: _Optional[float] = ..., pass_ms: _Optional[float] = ..., load_s: _Optional[float] = ..., max_batch_tokens: _Optional[int] = ..., fingerprint: _Optional[str] = ..., kv_block_size: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_preemptions: _Optional[int] = ..., decode_phase_seconds: _Optional[_Mapping[str, float]] = ..., decode_steps: _Optional[int] = ..., tp_size: _Optional[int] = ..., output_log_bytes: _Optional[int] = ..., output_logs_dropped: _Optional[int] = ..., kv_prefix_blocks: _Optional[int] = ..., kv_prefix_hit_positions: _Optional[int] = ..., attention_kernel: _Optional[str] = ..., packed_weights: _Optional[bool] = ..., cuda_graphs: _Optional[int] = ..., link_sessions: _Optional[int] = ..., relay_queued_bytes: _Optional[int] = ..., streams_waiting: _Optional[int] = ...) -> None: ...

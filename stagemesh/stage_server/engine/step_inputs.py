@@ -12,6 +12,30 @@ from stagemesh.stage_server.engine.model import StageModel
 from stagemesh.v1 import stage_pb2
 
 
+def step_tokens(request: stage_pb2.ForwardRequest) -> int:
+    """The tokens of a step, from its tensor's shape (its bytes unread)."""
+    tensor = request.hidden if request.HasField("hidden") else request.token_ids
+    return tensor.shape[0] if tensor.shape else 0
+
+
+def check_inputs(model: StageModel, request: stage_pb2.ForwardRequest) -> None:
+    """What decode_inputs refuses that a step's shape and dtype tell, checked on arrival without reading its bytes
+    (it is decoded when it reaches the head of its session: a queued step holds only its message)."""
+    if model.is_first:
+        if request.WhichOneof("input") != "token_ids":
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "the first stage takes token_ids, not hidden states")
+        return
+    if request.WhichOneof("input") != "hidden":
+        raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"stage {model.layer_start}:{model.layer_end} takes hidden states, not token ids")
+    shape = list(request.hidden.shape)
+    if len(shape) != 2 or shape[1] != model.args.hidden_size:
+        raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"hidden states must have shape [tokens, {model.args.hidden_size}], got {shape}")
+    if shape[0] <= 0:
+        raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "a step needs at least one token")
+
+
 def decode_inputs(model: StageModel, request: stage_pb2.ForwardRequest) -> torch.Tensor:
     """A step's input, decoded and checked: token ids [T] (first stage) or hidden states [T, hidden]."""
     args = model.args

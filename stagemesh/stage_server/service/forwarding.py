@@ -19,6 +19,7 @@ import grpc
 from stagemesh import grpc_server, metrics
 from stagemesh.errors import StatusError
 from stagemesh.stage_server.engine.sampling import Sampling
+from stagemesh.stage_server.service.backpressure import Budget, QueueConfig, link_budget
 from stagemesh.tls import Tls, refuse_plaintext
 from stagemesh.v1 import stage_pb2
 
@@ -111,22 +112,25 @@ def relay_call(channel: grpc.aio.Channel) -> grpc.aio.StreamStreamCall:
 
 
 class Link:
-    """One Relay stream to a next stage; `sessions` are those it carried (kept until it breaks).
+    """One Relay stream to a next stage; `sessions` are those it carries (each dropped when it closes here).
+    `queued` counts the bytes of steps not yet written (room() waits while it is over --relay-queue-mb).
 
     The link's own writer task does every write, in the order sent: a session's task only queues its step.
     A write is never cancelled with the task of the session it carries (the session's router ended its stream,
     the stream it came on ended): grpc.aio cancels the whole call when a write is cancelled, and that ended the
     link for every session of every chain on it (issue 12's mid-roll failure)."""
 
-    def __init__(self, address: str, channel: grpc.aio.Channel, on_broken: LinkBroken, on_refused: Refused):
+    def __init__(self, address: str, channel: grpc.aio.Channel, on_broken: LinkBroken, on_refused: Refused,
+                 queued: Budget):
         self.address = address
+        self.queued = queued
         self.call = relay_call(channel)
         self.sessions: set[str] = set()
         self.broken = False
         self.why = ""
         """Why this stage ended the link ("": it did not, the call ended on its own)."""
         self._outbox: deque[stage_pb2.RelayBatch] = deque()  # messages to write, the last one still open
-        self._open_bytes = 0  # about what the open message holds
+        self._bytes: deque[int] = deque()  # about what each message of the outbox holds
         self._queued = asyncio.Event()
         self._on_broken = on_broken
         self._on_refused = on_refused
@@ -139,10 +143,11 @@ class Link:
         would copy it: ~1 ms per MiB): fill it in before awaiting anything. nbytes, about what it will hold,
         keeps one message under RELAY_BATCH_BYTES. A link that breaks before it is written fails its session."""
         self.sessions.add(session_id)
-        if not self._outbox or (self._open_bytes + nbytes > RELAY_BATCH_BYTES and self._outbox[-1].steps):
+        if not self._outbox or (self._bytes[-1] + nbytes > RELAY_BATCH_BYTES and self._outbox[-1].steps):
             self._outbox.append(stage_pb2.RelayBatch())
-            self._open_bytes = 0
-        self._open_bytes += nbytes
+            self._bytes.append(0)
+        self._bytes[-1] += nbytes
+        self.queued.take(nbytes, items=0)
         self._queued.set()
         return self._outbox[-1].steps.add(session_id=session_id)
 
@@ -159,6 +164,9 @@ class Link:
                 except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError) as exc:
                     self.end(f"a write failed ({type(exc).__name__})")  # the reader sees the end, fails what it carried
                     return
+                finally:
+                    del batch  # not held while the next write waits on the next stage
+                self.queued.give(self._bytes.popleft(), items=0)
 
     async def _read(self) -> None:
         code, details = grpc.StatusCode.UNAVAILABLE, "the link ended"
@@ -174,6 +182,7 @@ class Link:
         finally:
             self.broken = True
             self._writer.cancel()
+            self.queued.release()  # nothing queued will be written: the passes waiting for room go on (and fail)
             log.log(logging.INFO if self.why == CLOSED else logging.WARNING,
                     f"link to the next stage {self.address} ended: {details} ({len(self.sessions)} session(s) it "
                     f"carried, {sum(len(b.steps) for b in self._outbox)} step(s) unsent)")
@@ -193,8 +202,10 @@ class Link:
 class Links:
     """The stage's links to its next stages, by address: channels with the stage's mesh TLS."""
 
-    def __init__(self, tls: Tls | None, on_broken: LinkBroken, on_refused: Refused, insecure: bool = False):
+    def __init__(self, tls: Tls | None, on_broken: LinkBroken, on_refused: Refused, insecure: bool = False,
+                 queues: QueueConfig | None = None):
         self.tls = tls
+        self.queues = queues or QueueConfig()
         self.insecure = insecure  # --insecure: plaintext to next stages off loopback too
         self.on_broken = on_broken
         self.on_refused = on_refused
@@ -215,18 +226,35 @@ class Links:
             channel = self.channels.get(address)
             if channel is None:
                 channel = self.channels[address] = grpc_server.channel(address, self.tls)
-            link = self.links[address] = Link(address, channel, self.on_broken, self.on_refused)
+            link = self.links[address] = Link(address, channel, self.on_broken, self.on_refused,
+                                              link_budget(self.queues))
         return link
+
+    async def room(self, address: str) -> None:
+        """Waits while the link to address holds --relay-queue-mb of unwritten steps (its next stage lags)."""
+        await self.link(address).queued.room()
+
+    def has_room(self, address: str) -> bool:
+        link = self.links.get(address)
+        return link is None or link.broken or not link.queued.full
 
     def step(self, address: str, session_id: str, nbytes: int) -> stage_pb2.ForwardRequest:
         """Link.step on the link to address."""
         return self.link(address).step(session_id, nbytes)
 
-    def forget(self, open_sessions: dict) -> None:
-        """Drops closed sessions from the links' sets (called now and then, so the sets stay small)."""
+    def forget(self, session_id: str) -> None:
+        """A session closed here: no link carries it any more (a link that breaks later fails only open ones)."""
         for link in self.links.values():
-            if len(link.sessions) > 2 * len(open_sessions) + 64:
-                link.sessions = {s for s in link.sessions if s in open_sessions}
+            link.sessions.discard(session_id)
+
+    @property
+    def sessions(self) -> int:
+        """Sessions the links carry now (Stage/Info link_sessions)."""
+        return sum(len(link.sessions) for link in self.links.values())
+
+    @property
+    def queued_bytes(self) -> int:
+        return sum(link.queued.bytes for link in self.links.values() if not link.broken)
 
     async def close(self) -> None:
         for link in self.links.values():

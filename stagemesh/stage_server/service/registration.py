@@ -147,7 +147,6 @@ class Registration:
             return
         a, b = parse_layers(want, self.server.num_layers)
         log.info(f"assigned layers {a}:{b}: loading", extra={"stage": self.server.address})
-        model = await self.server.in_compute(self.server.load, a, b)
-        await self.server.activate(model)
+        await self.server.swap(a, b)
         with contextlib.suppress(RegistryError):
             await self._register()  # tells the scheduler the range is loaded and serving

@@ -9,17 +9,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 import weakref
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
 
-from stagemesh import grpc_server, tensor_codec, tracing
+from stagemesh import grpc_server, tracing
 from stagemesh.errors import ErrorCodes, StatusError
 from stagemesh.stage_server.engine.kv_pool import PoolExhausted
-from stagemesh.stage_server.engine.step_inputs import decode_inputs
+from stagemesh.stage_server.engine.step_inputs import check_inputs
+from stagemesh.stage_server.service.backpressure import stream_budget
 from stagemesh.stage_server.service.callers import caller_of
 from stagemesh.stage_server.service.sessions import UnknownSession
 from stagemesh.v1 import stage_pb2
@@ -60,13 +60,13 @@ def end_streams(service: StageService) -> None:
 class _Feed:
     """A session's results and fault (Route.deliver), queued on its stream tagged with its id."""
 
-    __slots__ = ("events", "session_id")
+    __slots__ = ("stream", "session_id")
 
-    def __init__(self, events: asyncio.Queue, session_id: str):
-        self.events, self.session_id = events, session_id
+    def __init__(self, stream: SessionStream, session_id: str):
+        self.stream, self.session_id = stream, session_id
 
     def put_nowait(self, item: object) -> None:
-        self.events.put_nowait((self.session_id, item))
+        self.stream.put(self.session_id, item)
 
 
 def status_of(exc: BaseException, codes: ErrorCodes, where: str) -> tuple[grpc.StatusCode, str]:
@@ -83,7 +83,9 @@ def status_of(exc: BaseException, codes: ErrorCodes, where: str) -> tuple[grpc.S
 
 class SessionStream:
     """One Sessions call: `serve` yields the stage's SessionEvents while a reader task takes the router's
-    batches. `admit` (the server's) refuses opens while the stage drains."""
+    batches. `admit` (the server's) refuses opens while the stage drains. `budget` counts the steps taken and not
+    yet run and the events not yet written: while it is full the reader reads nothing (backpressure.py), so a
+    router that stops reading, or sends faster than the stage computes, is held back by HTTP/2 flow control."""
 
     def __init__(self, service: StageService, context: grpc.aio.ServicerContext, codes: ErrorCodes,
                  admit: Callable[[], None] | None = None):
@@ -94,23 +96,30 @@ class SessionStream:
         self.admit = admit
         # (session id, OpenSessionResponse: opened | REROUTED | ForwardResponse | an exception: its fault)
         self.events: asyncio.Queue = asyncio.Queue()
+        self.budget = stream_budget(service.queues)
         self.feeds: dict[str, _Feed] = {}  # the sessions this stream opened or stepped: closed with it
         self.running: set[asyncio.Task] = set()
 
     def end(self, why: str) -> None:
         """Ends the stream from this side, UNAVAILABLE (the stage stops or swaps its slice)."""
-        self.events.put_nowait((None, StatusError(grpc.StatusCode.UNAVAILABLE, why)))
+        self.put(None, StatusError(grpc.StatusCode.UNAVAILABLE, why))
+
+    def put(self, session_id: str | None, item: object) -> None:
+        """An event for the router (counted in the budget until it is written)."""
+        self.budget.take()
+        self.events.put_nowait((session_id, item))
 
     async def serve(self, requests: AsyncIterator[stage_pb2.SessionBatch]) -> AsyncIterator[stage_pb2.SessionEvents]:
         loop, written_at = asyncio.get_running_loop(), 0.0
         reader = loop.create_task(self._read(requests))
+        self.service.budgets.add(self.budget)
         try:
             while True:
                 session_id, item = await self.events.get()
                 if wait := grpc_server.busy_wait_s(len(self.feeds), loop.time() - written_at):
                     await asyncio.sleep(wait)  # busy: more results join this message
                 written_at = loop.time()
-                events = stage_pb2.SessionEvents()
+                events, taken = stage_pb2.SessionEvents(), 1
                 while True:  # everything queued by now, in one message
                     if item is _END:
                         if events.ByteSize():
@@ -122,8 +131,11 @@ class SessionStream:
                     if self.events.empty():
                         break
                     session_id, item = self.events.get_nowait()
+                    taken += 1
                 yield events
+                self.budget.give(items=taken)
         finally:
+            self.service.budgets.discard(self.budget)
             reader.cancel()
             for task in self.running:
                 task.cancel()
@@ -161,9 +173,11 @@ class SessionStream:
                         log.info("session closed by its router", extra=self.service._extra(sid, session.request_id))
                 if len(self.feeds) > 64 and len(self.feeds) > 2 * len(self.service.sessions):
                     self.feeds = {s: f for s, f in self.feeds.items() if s in self.service.sessions.sessions}
-            self.events.put_nowait((None, _END))
+                batch = request = None  # its steps are held by their tasks only
+                await self.budget.room()  # full: read no more until steps have run and events were written
+            self.put(None, _END)
         except Exception as exc:  # the call itself failed: the stream ends with it
-            self.events.put_nowait((None, exc))
+            self.put(None, exc)
 
     async def _open(self, request: stage_pb2.OpenSessionRequest) -> None:
         span = tracing.server_span("/stagemesh.v1.Stage/OpenSession", request.trace_context)
@@ -172,41 +186,40 @@ class SessionStream:
                 self.admit()
             opened = await self.service.OpenSession(request, self.context)
         except Exception as exc:
-            self.events.put_nowait((request.session_id, exc))
+            self.put(request.session_id, exc)
             return
         finally:
             if span is not None:
                 span.end()
-        feed = self.feeds[request.session_id] = _Feed(self.events, request.session_id)
-        self.events.put_nowait((request.session_id, opened))
+        feed = self.feeds[request.session_id] = _Feed(self, request.session_id)
+        self.put(request.session_id, opened)
         self.service.sessions.sessions[request.session_id].route.attach(feed)
 
     def _step(self, request: stage_pb2.ForwardRequest) -> None:
-        """A step, decoded and checked here, run in its session's order on a task of its own."""
+        """A step, checked here, run (and decoded) in its session's order on a task of its own."""
         service = self.service
         try:
             session = service.sessions.get(request.session_id, self.caller)  # only the opener's
         except UnknownSession as exc:
-            self.events.put_nowait((request.session_id, exc))
+            self.put(request.session_id, exc)
             return
         feed = self.feeds.get(session.session_id)
         if feed is None:  # opened with OpenSession, stepped here first
-            feed = self.feeds[session.session_id] = _Feed(self.events, session.session_id)
+            feed = self.feeds[session.session_id] = _Feed(self, session.session_id)
             session.route.attach(feed)
-        t0 = time.perf_counter()
         try:
-            inputs = decode_inputs(service.model, request)
-        except (StatusError, tensor_codec.CodecError) as exc:  # ill-formed: this session fails, no other
+            check_inputs(service.model, request)
+        except StatusError as exc:  # ill-formed: this session fails, no other
             service._fail(session.session_id, exc)
             return
-        service.relay(session, request, inputs, time.perf_counter() - t0, self.running)
+        service.relay(session, request, self.running, self.budget)
 
     def _reroute(self, request: stage_pb2.Reroute) -> None:
         """Repair: the session rewound to request.position and re-pointed, after the steps sent before it."""
         try:
             session = self.service.sessions.get(request.session_id, self.caller)  # only the opener's
         except UnknownSession as exc:
-            self.events.put_nowait((request.session_id, exc))
+            self.put(request.session_id, exc)
             return
         session.route.in_order(self._rerouted(session, request), self.running)
 
@@ -234,4 +247,4 @@ class SessionStream:
                     self.service._fail(session.session_id, exc)
                     return
                 route.next_address, route.next_key = request.next_address, request.next_key
-        self.events.put_nowait((session.session_id, REROUTED))
+        self.put(session.session_id, REROUTED)

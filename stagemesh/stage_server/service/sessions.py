@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hmac
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -73,6 +74,8 @@ class SessionTable:
         self.max_position = max_position
         self.sessions: dict[str, Session] = {}
         self.open_attempts = 0  # refused ones too: how hard callers press on this stage
+        self.on_close: Callable[[str], None] | None = None
+        """Told each session id closed (the links to next stages drop it)."""
 
     def open(self, session_id: str, max_length: int, request_id: str = "", owner: str = "",
              route: Route | None = None, keep_output: bool = False, prefix_ids: list[int] | None = None,
@@ -138,6 +141,8 @@ class SessionTable:
         self.pool.release(session.cache)
         if session.output is not None:
             session.output.drop()
+        if self.on_close is not None:
+            self.on_close(session_id)
         return True
 
     def expire_idle(self, timeout_s: float, unstepped_timeout_s: float | None = None) -> list[str]:

@@ -20,7 +20,9 @@ from stagemesh.stage_server.cpu import packed_weights
 from stagemesh.stage_server.engine.batcher import BatcherStopped, OutOfMemory, StepBatcher, StepRequest, StepResult
 from stagemesh.stage_server.engine.kv_pool import PoolExhausted
 from stagemesh.stage_server.engine.model import StageModel
-from stagemesh.stage_server.engine.step_inputs import decode_inputs
+from stagemesh.stage_server.engine.step_inputs import decode_inputs, step_tokens
+from stagemesh.stage_server.service import relay_stream
+from stagemesh.stage_server.service.backpressure import Budget, QueueConfig, step_bytes
 from stagemesh.stage_server.service.callers import caller_of, prefix_domain
 from stagemesh.stage_server.service.forwarding import FEED_END, Links, Route
 from stagemesh.stage_server.service.output_log import readable
@@ -60,14 +62,19 @@ A step that failed alone in its pass (batcher.StepFailed) is such a bug, of that
 
 class StageService(stage_pb2_grpc.StageServicer):
     def __init__(self, model: StageModel, sessions: SessionTable, batcher: StepBatcher, model_name: str,
-                 fingerprint: str, address: str = "", tls: Tls | None = None, insecure: bool = False):
+                 fingerprint: str, address: str = "", tls: Tls | None = None, insecure: bool = False,
+                 queues: QueueConfig | None = None):
         self.address = address  # in every log line, with the request id: a request is followed across hops
         self.model = model
         self.sessions = sessions
         self.batcher = batcher
         self.model_name = model_name
         self.fingerprint = fingerprint
-        self.links = Links(tls, self._link_broken, self._relay_refused, insecure)  # to next stages, with the mesh's TLS
+        self.queues = queues or QueueConfig()
+        self.budgets: set[Budget] = set()  # the incoming streams' (Stage/Info streams_waiting)
+        # To next stages, with the mesh's TLS; a session that closes leaves them.
+        self.links = Links(tls, self._link_broken, self._relay_refused, insecure, self.queues)
+        sessions.on_close = self.links.forget
 
     async def close(self) -> None:
         """Ends the links to next stages and the routers' Sessions streams (the slice is swapped or the stage stops)."""
@@ -153,6 +160,7 @@ class StageService(stage_pb2_grpc.StageServicer):
                     pass
                 elif session.route.forwards:
                     _WIRE_IN.inc(request.ByteSize())
+                    await self.links.room(session.route.next_address)
                     result, decode = await self._run(request, session)
                     self._send_on(session, request, result, decode)
                 else:
@@ -211,7 +219,7 @@ class StageService(stage_pb2_grpc.StageServicer):
         hidden = result.hidden
         onward = self.links.step(route.next_address, session.session_id, hidden.numel() * hidden.element_size())
         onward.start, onward.hop_key = request.start, route.next_key
-        onward.skip_sample, onward.return_logits = request.skip_sample, request.return_logits
+        onward.skip_sample, onward.return_logits, onward.ack = request.skip_sample, request.return_logits, request.ack
         tensor_codec.encode_hidden_into(onward.hidden, hidden, request.wire_dtype or route.wire_dtype)
         self.batcher.timing.since("encode", t0, decode)
 
@@ -219,72 +227,48 @@ class StageService(stage_pb2_grpc.StageServicer):
         async for events in serve(self, request_iterator, context, ERROR_CODES, admit):
             yield events
 
-    async def Relay(self, request_iterator, context):
-        carried: set[str] = set()
-        running: set[asyncio.Task] = set()
-        try:
-            async for batch in request_iterator:
-                _WIRE_IN.inc(batch.ByteSize())
-                for request in batch.steps:  # each checked and started on a task of its own; one refused is answered
-                    try:
-                        session = self.sessions.relayed(request.session_id, request.hop_key)
-                    except UnknownSession as exc:
-                        yield stage_pb2.RelayStatus(session_id=request.session_id,
-                                                    code=grpc.StatusCode.NOT_FOUND.value[0], details=str(exc))
-                        continue
-                    carried.add(session.session_id)
-                    t0 = time.perf_counter()
-                    try:
-                        inputs = decode_inputs(self.model, request)
-                    except (StatusError, tensor_codec.CodecError) as exc:  # ill-formed: that session's step is lost
-                        status = exc if isinstance(exc, StatusError) else StatusError(
-                            grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-                        self._fail(session.session_id, status)
-                        yield stage_pb2.RelayStatus(session_id=request.session_id, code=status.code.value[0],
-                                                    details=status.message)
-                        continue
-                    self.relay(session, request, inputs, time.perf_counter() - t0, running)
-                if len(carried) > 2 * len(self.sessions) + 64:
-                    carried = {s for s in carried if s in self.sessions.sessions}
-        finally:
-            for task in running:
-                task.cancel()
-            for sid in carried:
-                session = self.sessions.sessions.get(sid)
-                previous = session.route.previous_address if session is not None else ""
-                self._fail(sid, StatusError(grpc.StatusCode.UNAVAILABLE,
-                                            f"the link from the previous stage {previous} ended (it stopped, or the "
-                                            "link broke)"), link=True)
+    async def Relay(self, request_iterator, context):  # stage_server/service/relay_stream.py
+        async for status in relay_stream.serve(self, request_iterator):
+            yield status
 
-    def relay(self, session: Session, request: stage_pb2.ForwardRequest, inputs: torch.Tensor, decode_s: float,
-              running: set[asyncio.Task]) -> None:
-        """A step relayed by the previous stage, or sent by a router on its Sessions stream (its input decoded on
-        arrival, in decode_s), run in its session's order on a task of its own (kept in running); its result goes
-        on to the next stage, or (last stage) to the router following the session. The lone session of a stage
-        runs its decode step at once, here, when the batcher would run it alone and inline anyway: the task, the
-        queue, the future and two loop turns cost ~0.1 ms a stage of a tiny model's ~1 ms step (measured)."""
-        if inputs.shape[0] == 1 and len(self.sessions) == 1 and not session.route.pending \
-                and self.batcher.can_run_now():
+    def relay(self, session: Session, request: stage_pb2.ForwardRequest, running: set[asyncio.Task],
+              budget: Budget) -> None:
+        """A step relayed by the previous stage, or sent by a router on its Sessions stream (checked on arrival:
+        step_inputs.check_inputs), run in its session's order on a task of its own (kept in running, counted in the
+        stream's budget until it ends), decoded only then; its result goes on to the next stage (once its link has
+        room), or (last stage) to the router following the session. The lone session of a stage runs its decode step
+        at once, here, when the batcher would run it alone and inline anyway: the task, the queue, the future and two
+        loop turns cost ~0.1 ms a stage of a tiny model's ~1 ms step (measured)."""
+        route = session.route
+        if step_tokens(request) == 1 and len(self.sessions) == 1 and not route.pending \
+                and self.batcher.can_run_now() and (not route.forwards or self.links.has_room(route.next_address)):
             try:
-                step = self._checked(request, session, inputs, time.perf_counter() - decode_s)
+                t0 = time.perf_counter()
+                step = self._checked(request, session, decode_inputs(self.model, request), t0)
                 result = self.batcher.run_now(step)
                 self._ran(request, session, result, True)
                 self._pass_on(session, request, result, True)
             except Exception as exc:
                 self._fail(session.session_id, exc)
             return
-        session.route.in_order(self._relayed_step(session, request, inputs, decode_s), running)
+        nbytes = step_bytes(request)
+        budget.take(nbytes)
+        route.in_order(self._relayed_step(session, request, budget, nbytes), running)
 
-    async def _relayed_step(self, session: Session, request: stage_pb2.ForwardRequest, inputs: torch.Tensor,
-                            decode_s: float) -> None:
+    async def _relayed_step(self, session: Session, request: stage_pb2.ForwardRequest, budget: Budget,
+                            nbytes: int) -> None:
         try:
             async with session.route.order:
+                if session.route.forwards and not session.closed:
+                    await self.links.room(session.route.next_address)  # the next stage lags: wait, holding the rest
                 if session.closed:
                     return
-                result, decode = await self._run(request, session, inputs, time.perf_counter() - decode_s)
+                result, decode = await self._run(request, session)
                 self._pass_on(session, request, result, decode)
         except Exception as exc:
             self._fail(session.session_id, exc)
+        finally:
+            budget.give(nbytes)
 
     def _pass_on(self, session: Session, request: stage_pb2.ForwardRequest, result: StepResult,
                  decode: bool) -> None:
@@ -297,6 +281,8 @@ class StageService(stage_pb2_grpc.StageServicer):
             _WIRE_OUT.inc(response.ByteSize())
             self.batcher.timing.since("encode", t0, decode)
             session.route.deliver(response)
+        elif request.ack:  # a prefill chunk through the whole chain: its router sends the next (prefill_window.py)
+            session.route.deliver(stage_pb2.ForwardResponse(session_id=session.session_id, ack=True))
 
     def _fail(self, session_id: str, exc: BaseException, link: bool = False) -> None:
         """Ends a session here for its fault: its router hears it on the stream that follows it. A repairable
@@ -393,4 +379,7 @@ class StageService(stage_pb2_grpc.StageServicer):
             tp_size=model.tp_group.size if model.tp_group else 1,
             output_log_bytes=self.sessions.log_budget.used_bytes,
             output_logs_dropped=self.sessions.log_budget.dropped,
+            link_sessions=self.links.sessions,
+            relay_queued_bytes=self.links.queued_bytes,
+            streams_waiting=sum(b.waiting > 0 for b in self.budgets),
         )
