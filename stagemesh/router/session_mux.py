@@ -1,4 +1,4 @@
-"""The router's one Stage/Sessions stream per stage: every forwarding session it runs there, its opens,
+"""The router's one Stage/Sessions stream per stage: every session it runs there, its opens,
 steps and closes batched into one message per turn of the event loop, and the stage's answers (opened,
 tokens, faults) handed to each session's inbox. A request costs no call of its own on any stage.
 
@@ -31,7 +31,7 @@ nothing, and a stream that only opens and closes sessions (every stage but the f
 Inbox = asyncio.Queue
 """A session's: (stage index, None: opened | ForwardResponse | REROUTED | grpc.aio.AioRpcError: its fault there)."""
 REROUTED = "rerouted"
-"""In an inbox: the stage rerouted the session (router/repair.py forwarding_repair)."""
+"""In an inbox: the stage rerouted the session (router/repair.py)."""
 
 
 class StageMux:

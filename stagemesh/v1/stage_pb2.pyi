@@ -106,7 +106,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., suppress_ids: _Optional[_Iterable[int]] = ..., suppress_until: _Optional[int] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("session_id", "start", "token_ids", "hidden", "sampling", "return_logits", "skip_sample", "wire_dtype", "follow", "hop_key")
+    __slots__ = ("session_id", "start", "token_ids", "hidden", "sampling", "return_logits", "skip_sample", "wire_dtype", "hop_key")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -115,7 +115,6 @@ class ForwardRequest(_message.Message):
     RETURN_LOGITS_FIELD_NUMBER: _ClassVar[int]
     SKIP_SAMPLE_FIELD_NUMBER: _ClassVar[int]
     WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
-    FOLLOW_FIELD_NUMBER: _ClassVar[int]
     HOP_KEY_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     start: int
@@ -125,9 +124,8 @@ class ForwardRequest(_message.Message):
     return_logits: bool
     skip_sample: bool
     wire_dtype: str
-    follow: bool
     hop_key: str
-    def __init__(self, session_id: _Optional[str] = ..., start: _Optional[int] = ..., token_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., hidden: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., return_logits: _Optional[bool] = ..., skip_sample: _Optional[bool] = ..., wire_dtype: _Optional[str] = ..., follow: _Optional[bool] = ..., hop_key: _Optional[str] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., start: _Optional[int] = ..., token_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., hidden: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., return_logits: _Optional[bool] = ..., skip_sample: _Optional[bool] = ..., wire_dtype: _Optional[str] = ..., hop_key: _Optional[str] = ...) -> None: ...
 
 class RelayBatch(_message.Message):
     __slots__ = ("steps",)
@@ -146,22 +144,20 @@ class RelayStatus(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., code: _Optional[int] = ..., details: _Optional[str] = ...) -> None: ...
 
 class ForwardResponse(_message.Message):
-    __slots__ = ("session_id", "hidden", "token_id", "logits", "logprob", "top_token_ids", "top_logprobs")
+    __slots__ = ("session_id", "token_id", "logits", "logprob", "top_token_ids", "top_logprobs")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
-    HIDDEN_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGITS_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
-    hidden: _tensor_pb2.Tensor
     token_id: int
     logits: _tensor_pb2.Tensor
     logprob: float
     top_token_ids: _containers.RepeatedScalarFieldContainer[int]
     top_logprobs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, session_id: _Optional[str] = ..., hidden: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., token_id: _Optional[int] = ..., logits: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logits: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ReadOutputRequest(_message.Message):
     __slots__ = ("session_id", "start", "end", "chunk_tokens")

@@ -24,17 +24,13 @@ from stagemesh.v1 import stage_pb2
 
 log = logging.getLogger("stagemesh.stage")
 
-FEED_END = object()
-"""Put on a feed when nothing more will come on it."""
-
-
 @dataclass
 class Route:
     """What a session was told at open (stage.proto OpenSessionRequest), and where its router hears
-    from it: the Forward stream that follows it (or steps it, on the first stage)."""
+    from it: the Sessions stream that opened it."""
 
     next_address: str = ""
-    """Where output hidden states go ("": answered on the Forward stream that sent the step)."""
+    """Where output hidden states go ("": nowhere; a last stage answers its token to the router)."""
     next_key: str = field(default="", repr=False)
     upstream_key: str = field(default="", repr=False)
     sampling: Sampling | None = None
@@ -46,7 +42,7 @@ class Route:
     feed: asyncio.Queue | None = field(default=None, repr=False)
     """The router's stream: results (ForwardResponse) and the session's fault (an exception) go here."""
     held: list = field(default_factory=list, repr=False)
-    """What came before a stream followed the session (a relayed step can outrun the router's follow)."""
+    """What came before the router's stream was attached."""
     order: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
     """Relayed steps run one at a time, in the order they came (asyncio's lock is first come, first served)."""
     pending: int = 0
@@ -76,7 +72,7 @@ class Route:
         self.held.clear()
 
     def deliver(self, item: object) -> None:
-        """A result or the fault, to the router's stream (held until one follows the session)."""
+        """A result or the fault, to the router's stream (held until one is attached)."""
         if self.feed is None:
             self.held.append(item)
         else:

@@ -2,8 +2,8 @@
 
 The router opens sessions on it, sends the first stage's steps and closes sessions; this stage answers
 each open, the last stage's tokens, and each session's fault, as they come, in messages holding whatever
-was queued. Per session it keeps Forward's guarantees: only this stream's connection steps it, its steps
-run in the order sent, and the stream's end closes it. A session's fault ends that session only."""
+was queued. Per session: only this stream's connection steps it, its steps run in the order sent, and
+the stream's end closes it. A session's fault ends that session only."""
 
 from __future__ import annotations
 
@@ -60,25 +60,26 @@ def end_streams(service: StageService) -> None:
 class _Feed:
     """A session's results and fault (Route.deliver), queued on its stream tagged with its id."""
 
-    __slots__ = ("events", "session_id")
+    __slots__ = ("events", "request_id", "session_id")
 
-    def __init__(self, events: asyncio.Queue, session_id: str):
-        self.events, self.session_id = events, session_id
+    def __init__(self, events: asyncio.Queue, session_id: str, request_id: str = ""):
+        self.events, self.session_id, self.request_id = events, session_id, request_id
 
     def put_nowait(self, item: object) -> None:
         self.events.put_nowait((self.session_id, item))
 
 
-def status_of(exc: BaseException, codes: ErrorCodes, where: str) -> tuple[grpc.StatusCode, str]:
-    """A session's fault as its router hears it: a refusal's own code and text; a bug is INTERNAL,
-    logged, its text kept from the caller (as the stage's StatusInterceptor does for a whole call)."""
+def status_of(exc: BaseException, codes: ErrorCodes, where: str, request_id: str = "") -> tuple[grpc.StatusCode, str]:
+    """A session's fault as its router hears it: a refusal's own code and text; a bug is INTERNAL, logged with the
+    request id, its text kept from the caller (as the stage's StatusInterceptor does for a whole call)."""
     if isinstance(exc, StatusError):
         return exc.code, exc.message
     code = next((codes[cls] for cls in type(exc).__mro__ if cls in codes), None)
     if code is not None:
         return code, str(exc)
-    log.error(f"unexpected error in a session of {where}", exc_info=exc)
-    return grpc.StatusCode.INTERNAL, f"internal error in Stage/Sessions on {where}; the stage logged it"
+    log.error(f"unexpected error in a session of {where}", exc_info=exc, extra={"request_id": request_id})
+    return (grpc.StatusCode.INTERNAL,
+            f"internal error in Stage/Sessions on {where}; the stage logged it with request id {request_id}")
 
 
 class SessionStream:
@@ -141,7 +142,8 @@ class SessionStream:
         elif item is REROUTED:
             events.rerouted.append(session_id)
         elif isinstance(item, BaseException):
-            code, details = status_of(item, self.codes, self.service.address)
+            feed = self.feeds.get(session_id)
+            code, details = status_of(item, self.codes, self.service.address, feed.request_id if feed else "")
             events.faults.add(session_id=session_id, code=code.value[0], details=details)
         else:
             events.results.append(item)
@@ -177,7 +179,7 @@ class SessionStream:
         finally:
             if span is not None:
                 span.end()
-        feed = self.feeds[request.session_id] = _Feed(self.events, request.session_id)
+        feed = self.feeds[request.session_id] = _Feed(self.events, request.session_id, request.request_id)
         self.events.put_nowait((request.session_id, opened))
         self.service.sessions.sessions[request.session_id].route.attach(feed)
 
@@ -191,7 +193,7 @@ class SessionStream:
             return
         feed = self.feeds.get(session.session_id)
         if feed is None:  # opened with OpenSession, stepped here first
-            feed = self.feeds[session.session_id] = _Feed(self.events, session.session_id)
+            feed = self.feeds[session.session_id] = _Feed(self.events, session.session_id, session.request_id)
             session.route.attach(feed)
         t0 = time.perf_counter()
         try:
