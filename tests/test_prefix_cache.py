@@ -381,10 +381,12 @@ def test_sessions_that_share_blocks_never_see_each_others_writes(ops):
                     assert float(p.k[0, p.slots(c, pos, pos + 1)[0], 0, 0]) == _value(tokens, pos), (pos, c)
 
 
-async def test_a_stream_that_started_from_the_cache_is_replayed_when_its_middle_stage_stops(tiny_model, hf_models,
-                                                                                            caplog):
-    """Its stages logged no output for the positions they attached, so no stage can be rebuilt from them: the
-    stream moves to the other chain (which has the prompt cached too) and stays exact."""
+@pytest.mark.parametrize("dead", [1, 2])
+async def test_a_stream_that_started_from_the_cache_is_repaired_when_a_later_stage_stops(tiny_model, hf_models,
+                                                                                        caplog, dead):
+    """Its stages logged no output for the positions they attached, so the new stage is rebuilt by the stages before
+    it computing the prefix again (from token ids): the stream is repaired, not replayed, the stages after the new
+    one keep their caches, and it stays exact."""
     caplog.set_level(logging.INFO, logger="stagemesh.router")
     mesh = await start_mesh(tiny_model, [splits(2, 3, 3), splits(2, 3, 3)])
     try:
@@ -400,13 +402,15 @@ async def test_a_stream_that_started_from_the_cache_is_replayed_when_its_middle_
             got.extend((await call.read()).token_ids)
         chain = next(c for c in mesh.stages if c[1].sessions.sessions)
         assert [s.cache.attached for s in chain[0].sessions.sessions.values()] == [2 * BS]
-        await chain[1].stop(0)
+        kept = [next(iter(s.sessions.sessions.values())).cache for s in chain[dead + 1:]]
+        await chain[dead].stop(0)
         while (response := await call.read()) is not grpc.aio.EOF:
             got.extend(response.token_ids)
             last = response
         assert got == hf_greedy(hf_models["llama"], ids, 12)
-        assert "prefix caches" in caplog.text and "replaying" in caplog.text
-        assert last.cached_tokens == 2 * BS  # the other chain's stages had the prompt's 2 blocks as well
+        assert "takes its place" in caplog.text and "replaying" not in caplog.text
+        assert last.cached_tokens == 2 * BS
+        assert [c.length for c in kept] == [len(ids) + 11] * len(kept)  # the stages after it kept their caches
     finally:
         await mesh.stop()
 

@@ -19,7 +19,7 @@ from stagemesh.router.session import ChainSession
 from stagemesh.router.step_values import Sampling
 from stagemesh.stage_server.service.output_log import LogBudget, OutputLog
 from stagemesh.v1 import router_pb2, router_pb2_grpc, stage_pb2, stage_pb2_grpc
-from tests.conftest import StageSessions, hf_greedy, splits, start_mesh, until
+from tests.conftest import StageSessions, collect, hf_greedy, splits, start_mesh, until
 from tests.harness.fault_mesh import FaultMesh
 from tests.test_exactness import prompt
 from tests.test_fault_suite import _until
@@ -228,6 +228,8 @@ def pm3(tiny_model, tmp_path_factory):
 
 
 async def test_sigkill_of_a_middle_stage_is_repaired_not_replayed(pm3, hf_models):
+    """With the prefix cache on: the streams start from their prompts' cached blocks (so no stage logged them),
+    and the new middle stage is rebuilt by the first stage computing them again."""
     prompts = [prompt(30 + 7 * i, seed=500 + i) for i in range(3)]
     wanted = [hf_greedy(hf_models["llama"], p, NEW_TOKENS) for p in prompts]
     async with grpc_server.insecure_channel(pm3.router.address) as channel:
@@ -241,8 +243,19 @@ async def test_sigkill_of_a_middle_stage_is_repaired_not_replayed(pm3, hf_models
             return sum(c.healthy for c in listed.chains) == 2
 
         await _until(healthy, 60, "both chains healthy")
+
+        async def cached() -> bool:  # every prompt's full blocks (of 16) on both chains' first stages
+            for ids in prompts:  # two at a time: the router spreads them over both chains
+                once = router_pb2.GenerateRequest(token_ids=ids, max_new_tokens=1)
+                await asyncio.gather(*(collect(stub.Generate(once, timeout=60)) for _ in range(2)))
+            firsts = await asyncio.to_thread(lambda: [_info(pm3.ports[i]) for i in (0, 3)])
+            return all(i.kv_prefix_blocks >= sum((len(p) - 1) // 16 for p in prompts) for i in firsts)
+
+        await _until(cached, 60, "the prompts cached on both chains")
         repairs, failovers = (pm3.router_counter(f"stagemesh_router_{n}") for n in ("repairs", "failovers"))
         started = [asyncio.Event() for _ in prompts]
+
+        attached = []
 
         async def stream(ids, running):
             got = []
@@ -251,6 +264,7 @@ async def test_sigkill_of_a_middle_stage_is_repaired_not_replayed(pm3, hf_models
                 got.extend(r.token_ids)
                 if len(got) >= 5:
                     running.set()
+            attached.append(r.cached_tokens)
             return got
 
         streams = [asyncio.ensure_future(stream(p, r)) for p, r in zip(prompts, started, strict=True)]
@@ -259,19 +273,18 @@ async def test_sigkill_of_a_middle_stage_is_repaired_not_replayed(pm3, hf_models
         await asyncio.to_thread(pm3.inject, "sigkill", victim)
         results = await asyncio.gather(*streams)
     assert results == wanted
+    assert all(attached), attached  # every stream started from its prompt's cached blocks
     live = [p for i, p in enumerate(pm3.ports) if i != victim]
-
-    def infos() -> list[stage_pb2.StageInfo]:
-        out = []
-        for port in live:
-            with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-                out.append(stage_pb2_grpc.StageStub(ch).Info(stage_pb2.InfoRequest(), timeout=5))
-        return out
 
     async def all_closed() -> bool:
         return all(i.open_sessions == 0 and i.kv_used_bytes == 0 and i.output_log_bytes == 0
-                   for i in await asyncio.to_thread(infos))
+                   for i in await asyncio.to_thread(lambda: [_info(port) for port in live]))
 
     await _until(all_closed, 20, "every live stage back to 0 sessions, KV bytes and log bytes")
     assert pm3.router_counter("stagemesh_router_repairs") > repairs, "no stream was repaired"
     assert pm3.router_counter("stagemesh_router_failovers") == failovers, "a stream was replayed on another chain"
+
+
+def _info(port: int) -> stage_pb2.StageInfo:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        return stage_pb2_grpc.StageStub(channel).Info(stage_pb2.InfoRequest(), timeout=5)

@@ -1,16 +1,19 @@
 """Repair: when one stage of a chain fails mid-stream, a stage that serves the same layer range (in another
-chain) takes its place in the request's session, and only it is rebuilt; the stages after it keep their KV
-caches. Replaying the whole prefix on another chain (generation.py's failover) rebuilds every stage.
+chain) takes its place in the request's session, and only the stages that must are rebuilt; the stages after it
+keep their KV caches. Replaying the whole prefix on another chain (generation.py's failover) rebuilds every stage.
 
 The session is opened repairable (a broken link leaves its stages' sessions open). The new stage is opened
-answering on its own stream, rebuilt from positions 0..position-1 (token ids for a first stage, which the
-router has; else the previous stage's output log, Stage/ReadOutput, sent as prefill chunks); then, in chain
-order, every stage is rewound to the position before the failed step (SessionBatch.reroute: what it took of
-that step is dropped) and the new stage and the one before it pointed at their next; then the failed step goes
-again from the router.
+answering on its own stream and rebuilt for positions 0..position-1: from token ids (a first stage: the router has
+them), else from the previous stage's output log (Stage/ReadOutput, sent as prefill chunks). A session that
+started from the stages' prefix caches has no log (a stage logs only what it computed): the new stage attaches
+what its own prefix cache holds of the positions, and when that is not all, the stages before it are rewound to
+where it stands and compute the rest again into it (Reroute.wait: it is rerouted once it holds them all). Then
+every stage is rewound to the position before the failed step (SessionBatch.reroute: what it took of that step is
+dropped) and the new stage and the one before it pointed at their next; then the failed step goes again from the
+router.
 
-Replayed instead: a failure that names no stage (a hung chain's timeout), a session whose previous stage kept
-no log (--output-log-gb), and one with no stage to take the place."""
+Replayed instead: a failure that names no stage (a hung chain's timeout), a session whose previous stage lost its
+log (--output-log-gb), and one with no stage to take the place."""
 
 from __future__ import annotations
 
@@ -68,24 +71,50 @@ async def repair(session: ChainSession, stage: StageEndpoint, history: list[int]
     opening = session.open_request(index)
     opening.ClearField("next_address")  # rebuilt on its own: nothing goes on to the next stage yet
     opening.ClearField("next_key")
+    if session.attached:  # the session started from the prefix caches: the new stage's may hold its start too
+        opening.prefix_ids.extend(history[:position])
+        opening.prefix_salt = session.prefix_salt(index)
     mux.open(opening, session.inbox, index)
     await session.wait_for(index, None, 1, "to the repair's OpenSession")
-    async for start, _end, tensor in _inputs(session, index, history, 0, position, chunk):
-        request = stage_pb2.ForwardRequest(session_id=sid, start=start, skip_sample=True)
-        (request.token_ids if index == 0 else request.hidden).CopyFrom(tensor)
-        mux.send(request)
-    for j, target in enumerate(session.muxes):
+    cached = mux.cached.pop(sid, 0)
+    recompute = cached < position and index > 0 and session.attached > 0
+    if recompute:  # the stages before logged nothing of the positions they attached: they compute them again
+        await _recompute(session, index, history, cached, position, chunk)
+    else:
+        async for start, _end, tensor in _inputs(session, index, history, cached, position, chunk):
+            request = stage_pb2.ForwardRequest(session_id=sid, start=start, skip_sample=True)
+            (request.token_ids if index == 0 else request.hidden).CopyFrom(tensor)
+            mux.send(request)
+    for j in sorted(range(n), key=lambda j: j != index):  # the new stage first: once it holds every position
+        target = session.muxes[j]
         if j + 1 == index:
             target.reroute(sid, position, stage.address, session.hop_keys[index])
         elif j == index and j + 1 < n:
-            target.reroute(sid, position, stages[j + 1].address, session.hop_keys[j + 1])
+            target.reroute(sid, position, stages[j + 1].address, session.hop_keys[j + 1], wait=recompute)
         else:
-            target.reroute(sid, position)
+            target.reroute(sid, position, wait=recompute and j == index)
         await session.wait_for(j, REROUTED, position if j == index else 1, "while repairing the chain; replaying")
     while not session.inbox.empty():  # what the failed step left (a token that came after the fault)
         session.inbox.get_nowait()
     return await session.step(history[position:], sampling=session.sampling, chunk_size=chunk,
                               return_logits=return_logits)
+
+
+async def _recompute(session: ChainSession, index: int, history: list[int], start: int, end: int,
+                     chunk: int) -> None:
+    """Positions start..end-1 computed again by the stages before `index` (rewound to start; the one just before
+    it pointed at it) from their token ids: the inputs of stage `index`, which holds positions 0..start-1."""
+    sid = session.session_id
+    for j in range(index):
+        target = session.muxes[j]
+        if j + 1 == index:
+            target.reroute(sid, start, session.chain.stages[index].address, session.hop_keys[index])
+        else:
+            target.reroute(sid, start)
+        await session.wait_for(j, REROUTED, 1, "while repairing the chain; replaying")
+    first = session.muxes[0]
+    for a, b in chunks(start, end, chunk):
+        first.step(sid, a, history[a:b]).skip_sample = True
 
 
 async def _inputs(session: ChainSession, index: int, history: list[int], start: int, end: int,
@@ -113,8 +142,6 @@ def possible(session: ChainSession, exc: grpc.aio.AioRpcError) -> str:
         return f"a {exc.code().name} is not the stage's own fault"
     if session.failed_stage is None:
         return "the fault names no stage"
-    if session.attached and session.failed_stage:
-        return "its first positions came from the stages' prefix caches, which log no output to rebuild from"
     return "" if session.keep_output else "the stages keep no output logs"
 
 
@@ -140,7 +167,16 @@ class Repairs:
                 self.chains.mark_down(chain, f"{exc.code().name}: {exc.details()}")
         log.warning(f"stage {dead.address}[{dead.layer_start}:{dead.layer_end}] failed ({exc.code().name}: "
                     f"{exc.details()}); repairing: {stage.address} takes its place, rebuilt from {session.position} "
-                    f"positions of {'token ids' if session.failed_stage == 0 else 'the previous stage output log'}",
+                    f"positions of {_source(session)}",
                     extra=self.log_extra)
         metrics.REPAIRS.inc()
         return await repair(session, stage, history, chunk)
+
+
+def _source(session: ChainSession) -> str:
+    """What the failed stage's replacement is rebuilt from (repair())."""
+    if session.failed_stage == 0:
+        return "token ids"
+    if session.attached:
+        return "its prefix cache, else recomputed by the stages before it"
+    return "the previous stage's output log"

@@ -80,10 +80,12 @@ class StageMux:
         """Queues a step built by the caller (a repair's rebuild: hidden states)."""
         self._room(request.ByteSize()).steps.append(request)
 
-    def reroute(self, session_id: str, position: int, next_address: str = "", next_key: str = "") -> None:
-        """Rewinds the session here to position and re-points it (answered REROUTED in its inbox)."""
+    def reroute(self, session_id: str, position: int, next_address: str = "", next_key: str = "",
+                wait: bool = False) -> None:
+        """Rewinds the session here to position and re-points it (answered REROUTED in its inbox); wait: once it
+        holds position positions (steps on their way from the previous stage)."""
         self._room(len(next_address) + 96).reroute.add(session_id=session_id, position=position,
-                                                       next_address=next_address, next_key=next_key)
+                                                       next_address=next_address, next_key=next_key, wait=wait)
 
     def close(self, session_id: str) -> None:
         """Closes a session here (nothing more reaches its inbox). The stage closes it anyway if the stream

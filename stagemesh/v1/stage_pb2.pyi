@@ -192,16 +192,18 @@ class SessionBatch(_message.Message):
     def __init__(self, opens: _Optional[_Iterable[_Union[OpenSessionRequest, _Mapping]]] = ..., steps: _Optional[_Iterable[_Union[ForwardRequest, _Mapping]]] = ..., close: _Optional[_Iterable[str]] = ..., reroute: _Optional[_Iterable[_Union[Reroute, _Mapping]]] = ...) -> None: ...
 
 class Reroute(_message.Message):
-    __slots__ = ("session_id", "position", "next_address", "next_key")
+    __slots__ = ("session_id", "position", "next_address", "next_key", "wait")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
     NEXT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NEXT_KEY_FIELD_NUMBER: _ClassVar[int]
+    WAIT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     position: int
     next_address: str
     next_key: str
-    def __init__(self, session_id: _Optional[str] = ..., position: _Optional[int] = ..., next_address: _Optional[str] = ..., next_key: _Optional[str] = ...) -> None: ...
+    wait: bool
+    def __init__(self, session_id: _Optional[str] = ..., position: _Optional[int] = ..., next_address: _Optional[str] = ..., next_key: _Optional[str] = ..., wait: _Optional[bool] = ...) -> None: ...
 
 class SessionEvents(_message.Message):
     __slots__ = ("opened", "results", "faults", "rerouted", "cached_positions")

@@ -47,6 +47,8 @@ class Route:
     """Relayed steps run one at a time, in the order they came (asyncio's lock is first come, first served)."""
     pending: int = 0
     """The session's steps and reroutes taken off the wire whose tasks (in_order) have not ended."""
+    stepped: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+    """Set when a step of the session ran (or it closed): what a waiting Reroute (stage.proto's wait) waits on."""
 
     def in_order(self, work: Coroutine, running: set[asyncio.Task]) -> None:
         """Runs work, which takes `order` first, on a task of its own (kept in running while it runs)."""

@@ -213,27 +213,37 @@ class SessionStream:
         session.route.in_order(self._rerouted(session, request), self.running)
 
     async def _rerouted(self, session, request: stage_pb2.Reroute) -> None:
+        route = session.route
+        while True:
+            async with route.order:  # after the steps queued before it (a lock's waiters go first come, first served)
+                if session.closed:
+                    return
+                if not (request.wait and session.cache.length < request.position):
+                    self._rewind(session, request)
+                    return
+                route.stepped.clear()
+            await route.stepped.wait()  # the steps on their way (relayed by the previous stage) run meanwhile
+
+    def _rewind(self, session, request: stage_pb2.Reroute) -> None:
+        """The session rewound to request.position and re-pointed, its order held: REROUTED, or its fault."""
         route, cache = session.route, session.cache
-        async with route.order:  # after the steps queued before it (a lock's waiters go first come, first served)
-            if session.closed:
-                return
-            if not 0 <= request.position <= cache.length:
-                self.service._fail(session.session_id, StatusError(
-                    grpc.StatusCode.FAILED_PRECONDITION, f"cannot rewind to position {request.position}: the "
-                    f"session holds positions 0..{cache.length - 1}"))
-                return
+        if not 0 <= request.position <= cache.length:
+            self.service._fail(session.session_id, StatusError(
+                grpc.StatusCode.FAILED_PRECONDITION, f"cannot rewind to position {request.position}: the "
+                f"session holds positions 0..{cache.length - 1}"))
+            return
+        try:
+            cache.pool.rewind(cache, request.position)  # attention reads positions < length: the rest is rewritten
+        except PoolExhausted as exc:
+            self.service._fail(session.session_id, exc)
+            return
+        if session.output is not None and not session.output.lost:
+            session.output.length = min(session.output.length, request.position)
+        if request.next_address:
             try:
-                cache.pool.rewind(cache, request.position)  # attention reads positions < length: the rest is rewritten
-            except PoolExhausted as exc:
+                self.service.links.check(request.next_address)
+            except StatusError as exc:
                 self.service._fail(session.session_id, exc)
                 return
-            if session.output is not None and not session.output.lost:
-                session.output.length = min(session.output.length, request.position)
-            if request.next_address:
-                try:
-                    self.service.links.check(request.next_address)
-                except StatusError as exc:
-                    self.service._fail(session.session_id, exc)
-                    return
-                route.next_address, route.next_key = request.next_address, request.next_key
+            route.next_address, route.next_key = request.next_address, request.next_key
         self.events.put_nowait((session.session_id, REROUTED))

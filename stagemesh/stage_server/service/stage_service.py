@@ -127,6 +127,7 @@ class StageService(stage_pb2_grpc.StageServicer):
         self.batcher.timing.decode_steps += decode
         if session.output is not None:
             session.output.append(request.start, result.hidden)
+        session.route.stepped.set()
 
     def _response(self, session: Session, result: StepResult) -> stage_pb2.ForwardResponse:
         """The last stage's answer to its router: the sampled token (and logits)."""
