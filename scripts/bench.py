@@ -702,7 +702,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stage-arg", action="append", default=[], metavar="FLAG",
                    help="a flag for every stage, e.g. --stage-arg=--compile (repeatable)")
     p.add_argument("--router-arg", action="append", default=[], metavar="FLAG",
-                   help="a flag for the router, e.g. --router-arg=--no-forwarding (repeatable)")
+                   help="a flag for the router, e.g. --router-arg=--no-repair (repeatable)")
     p.add_argument("--prefill-chunk", type=int, default=256, help="the router's pipelined prefill chunk")
     p.add_argument("--stages", type=ints, help="override: stages per chain, e.g. 1,2,4")
     p.add_argument("--replicas", type=ints, help="override: chains, e.g. 1,2")

@@ -1,18 +1,17 @@
-"""Per-token decode time over slow links: relay mode against forwarding, side by side in one run.
+"""Per-token decode time over slow links, against the network floor t0 + (N+1)·D.
 
     python scripts/bench_network.py [--stages 2,4] [--delays-ms 0,1,5,20] [--tokens 24] [--repeats 5]
 
 A chain of N stage processes (the tiny model, one thread each), each behind a link proxy
 (tests/harness/link_proxy.py) that holds every chunk D ms each way. The router dials the proxies, and so do
 the stages (a stage is told its next stage's address as the router knows it): every link of the data
-path is delayed, stage to stage and last stage to router included. Two routers on the same chain, one in
-relay mode (--no-forwarding), one forwarding (the default), take turns. Per setting: the median inter-token gap of one
-stream (decode only), the median over --repeats streams, against the models
+path is delayed, stage to stage and last stage to router included. Per setting: the median inter-token gap of
+one stream (decode only), the median over --repeats streams, against the model
 
-    relay:      t0 + 2N·D   (router -> stage -> router, for each of N stages)
-    forwarding: t0 + (N+1)·D (router -> stage 1 -> ... -> stage N -> router)
+    t0 + (N+1)·D (router -> stage 1 -> ... -> stage N -> router)
 
-with t0 each mode's own time at D = 0 measured in the same run.
+with t0 the time at D = 0 measured in the same run. (Relay mode, where the router carried every hop,
+t0 + 2N·D, is gone: stages forward to each other, the router's only data path.)
 """
 
 from __future__ import annotations
@@ -35,7 +34,7 @@ from stagemesh.processes import LocalMesh  # noqa: E402
 from stagemesh.v1 import router_pb2, router_pb2_grpc  # noqa: E402
 from tests.harness.link_proxy import LinkProxy  # noqa: E402
 
-MODES = ("relay", "forwarding")
+MODES = ("forwarding",)
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
 
 
@@ -68,9 +67,8 @@ def measure_chain(model: str, layers: int, stages: int, delays_ms: list[float], 
         spec = ",".join(p.address for p in proxies)
         routers = {}
         for mode in MODES:
-            flags = ["--forwarding"] if mode == "forwarding" else ["--no-forwarding"]
             proc = mesh.spawn(f"n{stages}-router-{mode}", ["--log-level", "warning", "router", "--model", model,
-                                                           "--chain", spec, "--port", "0", *flags], stage_env(None))
+                                                           "--chain", spec, "--port", "0"], stage_env(None))
             routers[mode] = proc.address
             wait_for_chains(proc.address, 1)
         rows = []
@@ -87,8 +85,7 @@ def measure_chain(model: str, layers: int, stages: int, delays_ms: list[float], 
             row = {"stages": stages, "delay_ms": delay,
                    **{f"{m}_ms": statistics.median(per_mode[m]) for m in MODES}, "runs": per_mode}
             rows.append(row)
-            print(f"  N={stages} D={delay:g} ms: relay {row['relay_ms']:.1f} ms/token, "
-                  f"forwarding {row['forwarding_ms']:.1f} ms/token", flush=True)
+            print(f"  N={stages} D={delay:g} ms: {row['forwarding_ms']:.1f} ms/token", flush=True)
         return rows
     finally:
         mesh.stop()  # first: the proxies then have no connection left to cut
@@ -97,25 +94,20 @@ def measure_chain(model: str, layers: int, stages: int, delays_ms: list[float], 
 
 
 def with_models(rows: list[dict]) -> list[dict]:
-    """Adds each mode's model (t0 + trips·D, t0 its own D = 0 time in this run) and the ratios."""
-    t0 = {(r["stages"], m): r[f"{m}_ms"] for r in rows if r["delay_ms"] == 0 for m in MODES}
+    """Adds the model (t0 + (N+1)·D, t0 the D = 0 time in this run) and the ratio."""
+    t0 = {r["stages"]: r["forwarding_ms"] for r in rows if r["delay_ms"] == 0}
     for r in rows:
         n, d = r["stages"], r["delay_ms"]
-        r["relay_model_ms"] = t0[n, "relay"] + 2 * n * d
-        r["forwarding_model_ms"] = t0[n, "forwarding"] + (n + 1) * d
-        r["relay_vs_model"] = r["relay_ms"] / r["relay_model_ms"]
+        r["forwarding_model_ms"] = t0[n] + (n + 1) * d
         r["forwarding_vs_model"] = r["forwarding_ms"] / r["forwarding_model_ms"]
-        r["relay_over_forwarding"] = r["relay_ms"] / r["forwarding_ms"]
     return rows
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"{'N':>2} {'D ms':>5} | {'relay':>8} {'t0+2ND':>8} {'ratio':>6} | {'forward':>8} {'t0+(N+1)D':>9} "
-          f"{'ratio':>6} | {'relay/fwd':>9}")
+    print(f"{'N':>2} {'D ms':>5} | {'ms/token':>8} {'t0+(N+1)D':>9} {'ratio':>6}")
     for r in rows:
-        print(f"{r['stages']:>2} {r['delay_ms']:>5g} | {r['relay_ms']:>8.1f} {r['relay_model_ms']:>8.1f} "
-              f"{r['relay_vs_model']:>6.2f} | {r['forwarding_ms']:>8.1f} {r['forwarding_model_ms']:>9.1f} "
-              f"{r['forwarding_vs_model']:>6.2f} | {r['relay_over_forwarding']:>9.2f}")
+        print(f"{r['stages']:>2} {r['delay_ms']:>5g} | {r['forwarding_ms']:>8.1f} {r['forwarding_model_ms']:>9.1f} "
+              f"{r['forwarding_vs_model']:>6.2f}")
 
 
 def main() -> None:
@@ -124,7 +116,7 @@ def main() -> None:
     p.add_argument("--stages", default="2,4", help="chain lengths, e.g. 2,4")
     p.add_argument("--delays-ms", default="0,1,5,20", help="one-way delay per link, ms (0 first: it is t0)")
     p.add_argument("--tokens", type=int, default=24, help="new tokens per stream")
-    p.add_argument("--repeats", type=int, default=5, help="streams per mode and setting; medians are shown")
+    p.add_argument("--repeats", type=int, default=5, help="streams per setting; medians are shown")
     p.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
     a = p.parse_args()
     model = a.model or str(ensure_tiny_model(Path("models/tiny-llama")))

@@ -7,7 +7,7 @@ Two stage processes hold the whole model (layers 0:N), both up for the whole run
 --threads K; (b) `--tp K --threads 1`, K ranks of one thread each (the same cores in all). Rounds alternate
 (a), (b), (a), ... so that other load on the machine falls on both alike; each round is one session:
 a prefill of --prompt tokens in one step (ms per prompt token), then --decode one-token steps (the median
-step is the decode ms/token). Steps go straight to the stage (router.chain_client, no router), so the
+step is the decode ms/token). Steps go straight to the stage (router.session, no router), so the
 figures are the stage's and its gRPC hop's. Medians over rounds; the ratio is (b) / (a): below 1, TP is faster.
 On CUDA (--device cuda, NCCL) each rank takes its own device; that needs K devices.
 """
@@ -27,7 +27,8 @@ sys.path.insert(0, str(ROOT))
 
 from scripts.measure_memory import ensure_medium_model  # noqa: E402
 from stagemesh.launcher import LocalMesh, ensure_tiny_model, stage_env  # noqa: E402
-from stagemesh.router.chain_client import Chain, ChainSession, Progress, StageEndpoint  # noqa: E402
+from stagemesh.router.chain_client import Chain, Progress, StageEndpoint  # noqa: E402
+from stagemesh.router.session import ChainSession  # noqa: E402
 from stagemesh.router.step_values import Sampling  # noqa: E402
 
 FIRST_ORDINARY_ID = 4

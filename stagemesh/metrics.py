@@ -82,9 +82,8 @@ REPAIRS = Counter("stagemesh_router_repairs_total",
 REPAIR_FALLBACKS = Counter("stagemesh_router_repair_fallbacks_total",
                            "Stage failures that could not be repaired and were replayed on another chain instead, by "
                            "why: log_dropped (the previous stage's output log was dropped: --repair-log-tokens), "
-                           "not_kept (the stages keep no logs), prefix_cached (the session's first positions came from "
-                           "prefix caches), not_stage_fault, position_unknown, no_replacement, repair_off, "
-                           "repair_failed", ["reason"])
+                           "not_kept (the stages keep no logs), no_stage_named (a timeout that names no stage), "
+                           "not_stage_fault, no_replacement, repair_off, repair_failed", ["reason"])
 STEP_TIMEOUTS = Counter("stagemesh_router_step_timeouts_total",
                         "Stage answers that did not come within the progress timeout (hung or unreachable stage)")
 AUTH_REFUSED = Counter("stagemesh_router_auth_refused_total",

@@ -10,11 +10,12 @@ from array import array
 
 from stagemesh.v1 import tensor_pb2
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 """The stage protocol this build speaks, bumped when what routers and stages send each other changes meaning (2:
 penalties, logprobs and end-token suppression in a step's sampling; a stage of version 1 would ignore them and answer
-other tokens). It is part of every stage's serving fingerprint (checkpoint.serving_fingerprint), so the scheduler
-never chains stages of two versions, and a router uses no chain of another version than its own."""
+other tokens; 3: the stage's Forward call is gone, routers step sessions on Sessions only). It is part of every
+stage's serving fingerprint (checkpoint.serving_fingerprint), so the scheduler never chains stages of two versions, and
+a router uses no chain of another version than its own."""
 
 FLOAT_DTYPES = frozenset({"float32", "bfloat16", "float16"})
 WIRE_DTYPES = ("float32", "bfloat16", "float16", "int8")

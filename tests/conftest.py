@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 
@@ -19,8 +20,9 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 torch.set_num_threads(2)
 
 from stagemesh import grpc_server, tensor_codec  # noqa: E402
-from stagemesh.router.chain_client import Chain, ChainSession, StageEndpoint  # noqa: E402
+from stagemesh.router.chain_client import Chain, StageEndpoint  # noqa: E402
 from stagemesh.router.server import RouterConfig, RouterServer  # noqa: E402
+from stagemesh.router.session import ChainSession  # noqa: E402
 from stagemesh.router.step_values import Sampling  # noqa: E402
 from stagemesh.stage_server.config import StageConfig  # noqa: E402
 from stagemesh.stage_server.engine.kv_pool import KVPool, SessionCache  # noqa: E402
@@ -214,3 +216,52 @@ async def until(condition, timeout: float, what: str, every: float = 0.01) -> fl
             break
         await asyncio.sleep(every)
     raise AssertionError(f"{what}: not within {timeout}s")
+
+
+class StageSessions:
+    """A test's own Stage/Sessions call to one stage, as a router's (no router): batches written, the stage's events
+    read. A session's fault is raised as the grpc.aio.AioRpcError a call of its own would have ended with."""
+
+    def __init__(self, stub: stage_pb2_grpc.StageStub, timeout: float | None = 60.0):
+        self.call = stub.Sessions(timeout=timeout)
+
+    async def send(self, *, opens=(), steps=(), close=(), reroute=()) -> None:
+        await self.call.write(stage_pb2.SessionBatch(opens=opens, steps=steps, close=close, reroute=reroute))
+
+    async def read(self, want: int = 1, within_s: float = 30.0) -> list[stage_pb2.ForwardResponse]:
+        """The next `want` results (sessions opened: their ids, as results with only session_id set); the first
+        fault heard is raised."""
+        got: list[stage_pb2.ForwardResponse] = []
+        async with asyncio.timeout(within_s):
+            while len(got) < want:
+                events = await self.call.read()
+                if events is grpc.aio.EOF:
+                    raise grpc.aio.AioRpcError(await self.call.code(), grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                               details=await self.call.details())
+                for fault in events.faults:
+                    code = next(c for c in grpc.StatusCode if c.value[0] == fault.code)
+                    raise grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=fault.details)
+                got.extend(stage_pb2.ForwardResponse(session_id=sid) for sid in events.opened)
+                got.extend(events.results)
+        return got
+
+    def cancel(self) -> None:
+        self.call.cancel()
+
+
+async def step_error(stub: stage_pb2_grpc.StageStub, *steps: stage_pb2.ForwardRequest) -> grpc.aio.AioRpcError:
+    """Steps sessions opened on this stub's connection on a Sessions call of their own; the first fault heard (every
+    refusal says what was wrong)."""
+    stream = StageSessions(stub)
+    try:
+        await stream.send(steps=steps)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stream.read(len(steps))
+    finally:
+        stream.cancel()
+    assert err.value.details()
+    return err.value
+
+
+async def step_status(stub: stage_pb2_grpc.StageStub, *steps: stage_pb2.ForwardRequest) -> grpc.StatusCode:
+    return (await step_error(stub, *steps)).code()

@@ -20,7 +20,7 @@ import torch
 from stagemesh import tensor_codec
 from stagemesh.launcher import LocalMesh, stage_env
 from stagemesh.router.chain_client import Chain, Progress, StageEndpoint
-from stagemesh.router.forwarding import ForwardingSession
+from stagemesh.router.session import ChainSession
 from stagemesh.router.prefill_window import AHEAD_PER_STAGE
 from stagemesh.router.step_values import Sampling
 from stagemesh.stage_server.config import StageConfig
@@ -78,7 +78,7 @@ async def served_exactly(hf_models, first, last, seed: int, want: list[int] | No
     want = hf_greedy(hf_models["llama"], ids, 6) if want is None else want
     chain = Chain([StageEndpoint(first.address), StageEndpoint(last.address)])
     try:
-        async with ForwardingSession(chain, 64, f"bystander-{seed}") as session:
+        async with ChainSession(chain, 64, f"bystander-{seed}") as session:
             tokens = [(await session.step(ids, sampling=Sampling())).token_id]
             for _ in range(5):
                 tokens.append((await session.step(tokens[-1:], sampling=Sampling())).token_id)
@@ -190,7 +190,7 @@ async def test_a_long_prompt_goes_only_a_few_chunks_ahead_of_a_stopped_stage(sta
     want = hf_greedy(hf_models["llama"], ids, 1)
     chain = Chain([StageEndpoint(first.address), StageEndpoint(slow.address)])
     try:
-        async with ForwardingSession(chain, 512, "long-prompt", progress=Progress(floor_s=600)) as session:
+        async with ChainSession(chain, 512, "long-prompt", progress=Progress(floor_s=600)) as session:
             slow.popen.send_signal(signal.SIGSTOP)
             step = asyncio.ensure_future(session.step(ids, sampling=Sampling(), chunk_size=16))
             try:

@@ -10,7 +10,7 @@ import torch
 
 from stagemesh import tensor_codec
 from stagemesh.v1 import router_pb2, stage_pb2, tensor_pb2
-from tests.conftest import collect, hf_greedy, splits, start_mesh
+from tests.conftest import collect, hf_greedy, splits, start_mesh, step_status
 from tests.test_kv_pool import kv_gb_for_blocks
 
 
@@ -64,22 +64,18 @@ def step(session_id: str, start: int = 0, *, ids=None, hidden=None) -> stage_pb2
     return request
 
 
-async def forward_status(stub, *requests) -> grpc.StatusCode:
-    return await status_of(stub.Forward(iter(requests), timeout=10))
-
-
 async def test_second_stage_refuses_wrong_hidden_shape(mesh):
     stub = mesh.stage_stub(0, 1)
     await open_session(stub, "shape")
-    assert await forward_status(stub, step("shape", hidden=torch.zeros(2, 255))) == grpc.StatusCode.INVALID_ARGUMENT
-    assert await forward_status(stub, step("shape2", hidden=torch.zeros(2, 256))) == grpc.StatusCode.NOT_FOUND
+    assert await step_status(stub, step("shape", hidden=torch.zeros(2, 255))) == grpc.StatusCode.INVALID_ARGUMENT
+    assert await step_status(stub, step("shape2", hidden=torch.zeros(2, 256))) == grpc.StatusCode.NOT_FOUND
 
 
 async def test_second_stage_refuses_wrong_dtype_and_token_ids(mesh):
     stub = mesh.stage_stub(0, 1)
     for i, bad in enumerate([step("d0", hidden=torch.zeros(2, 256, dtype=torch.int64)), step("d1", ids=[5, 6])]):
         await open_session(stub, f"d{i}")
-        assert await forward_status(stub, bad) == grpc.StatusCode.INVALID_ARGUMENT
+        assert await step_status(stub, bad) == grpc.StatusCode.INVALID_ARGUMENT
 
 
 async def test_stage_refuses_malformed_tensor_bytes(mesh):
@@ -87,17 +83,17 @@ async def test_stage_refuses_malformed_tensor_bytes(mesh):
     await open_session(stub, "bytes")
     seven_bytes_for_512_floats = tensor_pb2.Tensor(dtype="float32", shape=[2, 256], data=b"\x00" * 7)
     broken = stage_pb2.ForwardRequest(session_id="bytes", start=0, hidden=seven_bytes_for_512_floats)
-    assert await forward_status(stub, broken) == grpc.StatusCode.INVALID_ARGUMENT
+    assert await step_status(stub, broken) == grpc.StatusCode.INVALID_ARGUMENT
 
 
 async def test_first_stage_refuses_ids_outside_vocab_and_wrong_positions(mesh):
     stub = mesh.stage_stub(0, 0)
     await open_session(stub, "vocab")
-    assert await forward_status(stub, step("vocab", ids=[3, 1000])) == grpc.StatusCode.INVALID_ARGUMENT
+    assert await step_status(stub, step("vocab", ids=[3, 1000])) == grpc.StatusCode.INVALID_ARGUMENT
     await open_session(stub, "pos")
-    assert await forward_status(stub, step("pos", start=4, ids=[3])) == grpc.StatusCode.INVALID_ARGUMENT
+    assert await step_status(stub, step("pos", start=4, ids=[3])) == grpc.StatusCode.INVALID_ARGUMENT
     await open_session(stub, "long", max_length=4)
-    assert await forward_status(stub, step("long", ids=[3] * 5)) == grpc.StatusCode.OUT_OF_RANGE
+    assert await step_status(stub, step("long", ids=[3] * 5)) == grpc.StatusCode.OUT_OF_RANGE
 
 
 async def test_stage_session_errors(mesh):
@@ -137,7 +133,7 @@ async def test_other_streams_keep_going_while_bad_input_arrives(mesh, hf_models)
     stub = mesh.stage_stub(0, 1)
     for i in range(10):
         await open_session(stub, f"noise{i}")
-        await forward_status(stub, step(f"noise{i}", hidden=torch.zeros(1, 3)))
+        await step_status(stub, step(f"noise{i}", hidden=torch.zeros(1, 3)))
         await status_of(mesh.router_stub.Generate(router_pb2.GenerateRequest(token_ids=[99999], max_new_tokens=2)))
     got, _, _ = await good
     assert got == expected

@@ -14,7 +14,7 @@ from stagemesh.checkpoint import model_fingerprint
 from stagemesh.router.chain_client import Progress
 from stagemesh.router.chain_probe import ChainProbeConfig
 from stagemesh.router.chains import ChainSet, parse_chain
-from stagemesh.router.forwarding import ForwardingSession
+from stagemesh.router.session import ChainSession
 from stagemesh.router.generation import GenerationConfig
 from stagemesh.router.step_values import Sampling
 from tests.conftest import hf_greedy, splits, start_mesh, until
@@ -120,8 +120,8 @@ async def test_a_chain_marked_down_ends_the_steps_in_flight_on_it_at_once(tiny_m
     chain = chains.chains[0]
     slow = Progress(floor_s=600)
     try:
-        async with (ForwardingSession(chain, 64, "stuck-1", progress=slow) as one,
-                    ForwardingSession(chain, 64, "stuck-2", progress=slow) as two):
+        async with (ChainSession(chain, 64, "stuck-1", progress=slow) as one,
+                    ChainSession(chain, 64, "stuck-2", progress=slow) as two):
             assert chain.sessions == {one, two}
             token = (await one.step(prompt(5, seed=1), sampling=Sampling())).token_id
             link.set(black_hole=True)
@@ -137,7 +137,7 @@ async def test_a_chain_marked_down_ends_the_steps_in_flight_on_it_at_once(tiny_m
             assert one.failed_stage is None and two.failed_stage is None, "no stage is blamed: a replay, no repair"
         assert not chain.sessions
         link.set()
-        async with ForwardingSession(chain, 64, "after", progress=slow) as after:
+        async with ChainSession(chain, 64, "after", progress=slow) as after:
             assert (await after.step(prompt(5, seed=1), sampling=Sampling())).token_id == token
     finally:
         for stage in chain.stages:

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from stagemesh import tensor_codec
-from stagemesh.router.chain_client import Chain, ChainSession, StageEndpoint
+from stagemesh.router.chain_client import Chain, StageEndpoint
+from stagemesh.router.session import ChainSession
 from stagemesh.router.step_values import Sampling
 from stagemesh.v1 import router_pb2
 from tests.conftest import collect, start_mesh

@@ -12,7 +12,7 @@ import pytest
 from stagemesh import wire
 from stagemesh.errors import REQUEST_ID_KEY, StatusError
 from stagemesh.v1 import router_pb2, stage_pb2
-from tests.conftest import collect, splits, start_mesh
+from tests.conftest import StageSessions, collect, splits, start_mesh
 
 SECRET = "secret detail"
 
@@ -46,6 +46,16 @@ def step(session_id: str, ids: list[int]) -> stage_pb2.ForwardRequest:
     return stage_pb2.ForwardRequest(session_id=session_id, start=0, token_ids=wire.encode_ids(ids))
 
 
+async def step_on_sessions(stub, request: stage_pb2.ForwardRequest) -> None:
+    """The step on a Sessions call of its own: its session's fault raised as a call's error."""
+    stream = StageSessions(stub)
+    try:
+        await stream.send(steps=[request])
+        await stream.read()
+    finally:
+        stream.cancel()
+
+
 def logged_failures(caplog, request_id: str) -> list[logging.LogRecord]:
     return [r for r in caplog.records if r.exc_info and getattr(r, "request_id", None) == request_id]
 
@@ -64,17 +74,17 @@ async def test_unexpected_stage_error_in_a_stream_is_internal_logged_once_and_ke
     stage = mesh.stages[0][0]
     monkeypatch.setattr(stage.batcher, "submit", raises_async(RuntimeError(SECRET)))
     stub = mesh.stage_stub(0, 0)
-    await stub.OpenSession(stage_pb2.OpenSessionRequest(session_id="boom", max_length=16))
+    await stub.OpenSession(stage_pb2.OpenSessionRequest(session_id="boom", max_length=16,
+                                                        request_id="req-stream-42"))
     with caplog.at_level(logging.ERROR, logger="stagemesh.stage"):
-        err = await rpc_error(stub.Forward(iter([step("boom", [3, 4])]), timeout=10,
-                                           metadata=((REQUEST_ID_KEY, "req-stream-42"),)))
+        err = await rpc_error(step_on_sessions(stub, step("boom", [3, 4])))
     assert err.code() == grpc.StatusCode.INTERNAL
-    assert err.details() == ("internal error in stagemesh.v1.Stage/Forward; "
-                             "the server logged it with request id req-stream-42")
+    assert err.details() == (f"internal error in Stage/Sessions on {stage.address}; "
+                             "the stage logged it with request id req-stream-42")
     assert SECRET not in err.details()
     [record] = logged_failures(caplog, "req-stream-42")
     assert isinstance(record.exc_info[1], RuntimeError) and SECRET in str(record.exc_info[1])
-    assert await open_sessions(mesh) == 0  # the stream's cleanup still closed its session
+    assert await open_sessions(mesh) == 0  # the session's fault closed it
 
 
 async def test_unexpected_unary_error_names_the_request_id_of_the_message(mesh, monkeypatch, caplog):
@@ -112,12 +122,12 @@ async def test_status_error_keeps_its_code_and_message_on_unary_calls(mesh, monk
     assert not [r for r in caplog.records if r.exc_info]  # a refusal is not a bug: nothing logged
 
 
-async def test_status_error_keeps_its_code_and_message_on_bidirectional_streams(mesh, monkeypatch):
+async def test_status_error_keeps_its_code_and_message_on_a_sessions_step(mesh, monkeypatch):
     monkeypatch.setattr(mesh.stages[0][0].batcher, "submit",
                         raises_async(StatusError(grpc.StatusCode.ABORTED, "this step was aborted")))
     stub = mesh.stage_stub(0, 0)
     await stub.OpenSession(stage_pb2.OpenSessionRequest(session_id="aborted", max_length=16))
-    err = await rpc_error(stub.Forward(iter([step("aborted", [3])]), timeout=10))
+    err = await rpc_error(step_on_sessions(stub, step("aborted", [3])))
     assert (err.code(), err.details()) == (grpc.StatusCode.ABORTED, "this step was aborted")
     assert await open_sessions(mesh) == 0
 
@@ -132,7 +142,7 @@ async def test_status_error_keeps_its_code_and_message_on_response_streams(mesh,
 
 async def test_domain_errors_keep_their_codes_and_text(mesh):
     """The stage's table (stage_service.ERROR_CODES) answers its domain errors with their own text."""
-    err = await rpc_error(mesh.stage_stub(0, 0).Forward(iter([step("never-opened", [3])]), timeout=10))
+    err = await rpc_error(step_on_sessions(mesh.stage_stub(0, 0), step("never-opened", [3])))
     assert err.code() == grpc.StatusCode.NOT_FOUND
     assert "no open session 'never-opened'" in err.details()
 

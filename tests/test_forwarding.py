@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from stagemesh import tensor_codec
-from stagemesh.router.chain_client import Chain, ChainSession, StageEndpoint
-from stagemesh.router.forwarding import ForwardingSession
+from stagemesh.router.chain_client import Chain, StageEndpoint
 from stagemesh.router.generation import GenerationConfig
+from stagemesh.router.session import ChainSession
 from stagemesh.router.step_values import Sampling
 from stagemesh.stage_server.config import BatcherConfig
 from stagemesh.v1 import router_pb2, stage_pb2
-from tests.conftest import collect, hf_greedy, splits, start_mesh, until
+from tests.conftest import collect, hf_greedy, splits, start_mesh, step_status, until
 from tests.harness.fault_mesh import FaultMesh
 from tests.harness.link_proxy import LinkProxy
 from tests.test_exactness import prompt
@@ -55,12 +55,10 @@ async def until_empty(mesh) -> None:
     raise AssertionError(f"{open_sessions(mesh)} sessions still open")
 
 
-@pytest.mark.parametrize("forwarding", [True, False], ids=["forwarding", "relay"])
 @pytest.mark.parametrize("n_stages", sorted(LAYOUTS))
-async def test_streams_equal_transformers_with_chunked_prefill_and_batching(tiny_model, hf_models, n_stages,
-                                                                            forwarding):
+async def test_streams_equal_transformers_with_chunked_prefill_and_batching(tiny_model, hf_models, n_stages):
     mesh = await start_mesh(tiny_model, [LAYOUTS[n_stages]], router_options={
-        "generation": GenerationConfig(prefill_chunk=7, forwarding=forwarding)})
+        "generation": GenerationConfig(prefill_chunk=7)})
     try:
         prompts = [prompt(5 + 9 * i, seed=40 + i) for i in range(6)]  # 5..50 tokens: 1 to 8 chunks
         stub = mesh.router_stub
@@ -70,7 +68,7 @@ async def test_streams_equal_transformers_with_chunked_prefill_and_batching(tiny
             assert ids == hf_greedy(hf_models["llama"], p, 20)
         # Forwarding really went stage to stage: every stage but the last holds a link to its next one.
         linked = [bool(s.slot.current.links.links) for s in mesh.stages[0]]
-        assert linked == ([True] * (n_stages - 1) + [False] if forwarding else [False] * n_stages)
+        assert linked == [True] * (n_stages - 1) + [False]
         await until_empty(mesh)
     finally:
         await mesh.stop()
@@ -80,7 +78,7 @@ async def test_forwarded_logits_match_transformers_within_1e_4(tiny_model, hf_mo
     async with one_chain(tiny_model, 3) as (mesh, chain):
         ids = prompt(23, seed=5)
         logits, tokens = [], list(ids)
-        async with ForwardingSession(chain, 64, "fwd-logits") as session:
+        async with ChainSession(chain, 64, "fwd-logits") as session:
             feed = ids
             for _ in range(6):
                 result = await session.step(feed, sampling=Sampling(), chunk_size=5, return_logits=True)
@@ -94,20 +92,16 @@ async def test_forwarded_logits_match_transformers_within_1e_4(tiny_model, hf_mo
         await until_empty(mesh)
 
 
-async def test_an_outsider_cannot_step_follow_or_close_a_forwarded_session(tiny_model, hf_models):
+async def test_an_outsider_cannot_step_or_close_a_forwarded_session(tiny_model, hf_models):
     ids = prompt(9, seed=6)
     async with one_chain(tiny_model, 2) as (mesh, chain):
-        async with ForwardingSession(chain, 64, "owned") as session:
+        async with ChainSession(chain, 64, "owned") as session:
             tokens = [(await session.step(ids, sampling=Sampling())).token_id]
             outsider = other_connection(chain.stages[1].address)
             hidden = tensor_codec.encode(torch.zeros(1, 256))
             sid = session.session_id
             step = stage_pb2.ForwardRequest(session_id=sid, start=len(ids), hidden=hidden)
-            for request in (step, stage_pb2.ForwardRequest(session_id=sid, follow=True)):
-                with pytest.raises(grpc.aio.AioRpcError) as refused:
-                    async for _ in outsider.Forward(iter([request]), timeout=10):
-                        pass
-                assert refused.value.code() == grpc.StatusCode.NOT_FOUND
+            assert await step_status(outsider, step) == grpc.StatusCode.NOT_FOUND
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await outsider.CloseSession(stage_pb2.CloseSessionRequest(session_id=sid), timeout=10)
             assert refused.value.code() == grpc.StatusCode.NOT_FOUND
@@ -126,8 +120,8 @@ async def test_an_outsider_cannot_step_follow_or_close_a_forwarded_session(tiny_
 async def test_an_ill_formed_relay_message_gets_a_clear_status_and_costs_only_its_session(tiny_model, hf_models):
     ids = prompt(9, seed=7)
     async with one_chain(tiny_model, 2) as (mesh, chain):
-        async with (ForwardingSession(chain, 64, "victim") as victim,
-                    ForwardingSession(chain, 64, "bystander") as bystander):
+        async with (ChainSession(chain, 64, "victim") as victim,
+                    ChainSession(chain, 64, "bystander") as bystander):
             tokens = [(await bystander.step(ids, sampling=Sampling())).token_id]
             await victim.step(ids, sampling=Sampling())
             # A faulty upstream (it holds the victim's hop key): hidden states of the wrong width, then an
@@ -144,7 +138,7 @@ async def test_an_ill_formed_relay_message_gets_a_clear_status_and_costs_only_it
             assert "hidden states must have shape" in statuses[0].details
             # The victim's router hears it by name; the bystander streams on, exact. (Heard first: a step sent
             # before the notice arrives reaches the last stage through the first, which then reports NOT_FOUND.)
-            await until(lambda: not victim._inbox.empty(), 10, "the victim's fault reaches its router")
+            await until(lambda: not victim.inbox.empty(), 10, "the victim's fault reaches its router")
             with pytest.raises(grpc.aio.AioRpcError) as failed:
                 await victim.step([5], sampling=Sampling())
             assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -159,7 +153,7 @@ async def test_a_dead_next_stage_fails_the_sessions_it_carried_naming_it(tiny_mo
     """The second of three stages stops (its port closes): the router hears UNAVAILABLE naming it, and
     no stage keeps a session."""
     async with one_chain(tiny_model, 3) as (mesh, chain):
-        async with ForwardingSession(chain, 64, "doomed") as session:
+        async with ChainSession(chain, 64, "doomed") as session:
             token = (await session.step(prompt(9, seed=8), sampling=Sampling())).token_id
             await mesh.stages[0][1].stop(0)
             with pytest.raises(grpc.aio.AioRpcError) as failed:
@@ -170,17 +164,15 @@ async def test_a_dead_next_stage_fails_the_sessions_it_carried_naming_it(tiny_mo
         await until_empty(mesh)
 
 
-@pytest.mark.parametrize("forwarding", [True, False], ids=["forwarding", "relay"])
-async def test_a_stage_stopped_while_the_router_writes_to_it_is_unavailable(tiny_model, forwarding):
+async def test_a_stage_stopped_while_the_router_writes_to_it_is_unavailable(tiny_model):
     """The first stage stops while the router is still writing chunks of eight sessions' prefills to it. grpc's
     client then fails its own write with INTERNAL "Internal error from Core" (the call broke under it) and
     the call takes that status; the router hears what it is, the stage gone: UNAVAILABLE naming the stage
     (a stage fault, which repair.py repairs and generation.py blames on the chain), never INTERNAL (which
     would say a step failed alone there)."""
-    kind = ForwardingSession if forwarding else ChainSession
     async with one_chain(tiny_model, 2) as (mesh, chain):
         async with contextlib.AsyncExitStack() as stack:
-            sessions = [await stack.enter_async_context(kind(chain, 256, f"stopped-{i}")) for i in range(8)]
+            sessions = [await stack.enter_async_context(ChainSession(chain, 256, f"stopped-{i}")) for i in range(8)]
             stopped = asyncio.ensure_future(mesh.stages[0][0].stop(0))
             steps = [asyncio.ensure_future(s.step(prompt(192, seed=i), sampling=Sampling(), chunk_size=8))
                      for i, s in enumerate(sessions)]
@@ -204,9 +196,9 @@ async def test_sessions_ended_mid_send_leave_the_link_they_shared_up(tiny_model,
     async with one_chain(tiny_model, 2, batcher=BatcherConfig(max_batch_tokens=2048)) as (mesh, chain):
         with LinkProxy(chain.stages[1].address) as link:
             held = Chain([StageEndpoint(chain.stages[0].address), StageEndpoint(link.address)])
-            victims = [ForwardingSession(held, 2048, f"victim-{i}") for i in range(victims_n)]
+            victims = [ChainSession(held, 2048, f"victim-{i}") for i in range(victims_n)]
             try:
-                async with ForwardingSession(held, 64, "bystander") as bystander:
+                async with ChainSession(held, 64, "bystander") as bystander:
                     for victim in victims:
                         await victim.__aenter__()
                     tokens = [(await bystander.step(ids, sampling=Sampling())).token_id]
@@ -249,7 +241,7 @@ def pm3(tiny_model, tmp_path_factory):
     previous stage both dial: a fault of the link is a fault of the forwarding link too."""
     mesh = FaultMesh(str(tiny_model), tmp_path_factory.mktemp("fwd-fault-logs"), stages=3, num_layers=8,
                      stage_args=("--kv-cache-gb", "0.02", "--stall-timeout-s", "5", "--drain-timeout-s", "1"),
-                     router_args=("--forwarding", "--health-interval-s", "0.2", "--step-timeout-s", "2",
+                     router_args=("--health-interval-s", "0.2", "--step-timeout-s", "2",
                                   "--max-full-wait-s", "5"))
     yield mesh
     mesh.stop()

@@ -14,7 +14,7 @@ import pytest
 from stagemesh import metrics, tensor_codec
 from stagemesh.router import repair
 from stagemesh.router.chain_client import Chain, StageEndpoint
-from stagemesh.router.forwarding import ForwardingSession
+from stagemesh.router.session import ChainSession
 from stagemesh.router.step_values import Sampling
 from stagemesh.v1 import router_pb2
 from tests.conftest import hf_greedy, splits, start_mesh
@@ -36,7 +36,7 @@ async def test_a_repaired_forwarding_chain_continues_exact(tiny_model, hf_models
     try:
         ids = prompt(40, seed=80 + dead)
         tokens, got = list(ids), []
-        async with ForwardingSession(chain, max_length=128, request_id="frepair-test", keep_output=True) as session:
+        async with ChainSession(chain, max_length=128, request_id="frepair-test", keep_output=True) as session:
             feed = ids
             for k in range(12):
                 if k == (0 if failed_at == "prefill" else 5):
@@ -46,7 +46,7 @@ async def test_a_repaired_forwarding_chain_continues_exact(tiny_model, hf_models
                         await session.step(feed, sampling=Sampling(), chunk_size=16, return_logits=True)
                     assert failed.value.code() in repair.REPAIRABLE and session.failed_stage == dead
                     assert repair.possible(session, failed.value) == ""
-                    result = await repair.forwarding_repair(session, spares[dead], tokens, 16, return_logits=True)
+                    result = await repair.repair(session, spares[dead], tokens, 16, return_logits=True)
                     assert session.session_id in mesh.stages[1][dead].sessions.sessions  # the spare holds it
                     for j, cache in zip(range(dead + 1, 3), after, strict=True):  # the same cache, grown
                         assert mesh.stages[0][j].sessions.sessions[session.session_id].cache is cache

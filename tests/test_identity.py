@@ -21,8 +21,9 @@ from stagemesh.checkpoint import ModelFootprint, model_fingerprint, serving_fing
 from stagemesh.discovery.backends import open_registry
 from stagemesh.discovery.chain_table import decode_chains
 from stagemesh.discovery.registry import assignment_key, chains_key
-from stagemesh.router.chain_client import Chain, ChainSession, StageEndpoint
+from stagemesh.router.chain_client import Chain, StageEndpoint
 from stagemesh.router.server import RouterConfig, RouterServer
+from stagemesh.router.session import ChainSession
 from stagemesh.scheduler import placement
 from stagemesh.scheduler.server import print_plan
 from stagemesh.stage_server.config import BatcherConfig, StageConfig, max_step_bytes, split_host_port
@@ -32,7 +33,7 @@ from stagemesh.tiny_model import make_tiny_model
 from stagemesh.tls import PlaintextConfig
 from stagemesh.v1 import router_pb2, router_pb2_grpc, stage_pb2, stage_pb2_grpc
 from stagemesh.wire import PROTOCOL_VERSION
-from tests.conftest import collect, hf_greedy, splits, start_mesh
+from tests.conftest import StageSessions, collect, hf_greedy, splits, start_mesh, step_error, step_status
 from tests.test_kv_pool import kv_gb_for_blocks
 from tests.test_scheduler import ControlPlane, wait_for_chains
 
@@ -54,13 +55,9 @@ def step(session_id: str, ids: list[int], start: int = 0) -> stage_pb2.ForwardRe
     return stage_pb2.ForwardRequest(session_id=session_id, start=start, token_ids=wire.encode_ids(ids))
 
 
-async def responses(call) -> list:
-    return [r async for r in call]
-
-
 async def status_of(call) -> grpc.StatusCode:
     try:
-        await responses(call) if hasattr(call, "__aiter__") else await call
+        await call
     except grpc.aio.AioRpcError as exc:
         return exc.code()
     return grpc.StatusCode.OK
@@ -75,22 +72,19 @@ async def test_a_session_is_stepped_and_closed_by_its_opener_only(tiny_model):
     try:
         await owner.OpenSession(stage_pb2.OpenSessionRequest(session_id="mine", max_length=16))
         for _ in range(2):  # a stranger's failed attempts close nothing either
-            assert await status_of(stranger.Forward(iter([step("mine", [5, 6])]), timeout=10)) == \
-                grpc.StatusCode.NOT_FOUND
+            assert await step_status(stranger, step("mine", [5, 6])) == grpc.StatusCode.NOT_FOUND
             assert await status_of(stranger.CloseSession(stage_pb2.CloseSessionRequest(session_id="mine"))) == \
                 grpc.StatusCode.NOT_FOUND
         # The same answer as for an id that never existed: nothing tells the stranger it is in use.
-        with pytest.raises(grpc.aio.AioRpcError) as theirs:
-            await responses(stranger.Forward(iter([step("mine", [5])]), timeout=10))
-        with pytest.raises(grpc.aio.AioRpcError) as never:
-            await responses(stranger.Forward(iter([step("nobody", [5])]), timeout=10))
-        assert theirs.value.details().replace("mine", "X") == never.value.details().replace("nobody", "X")
+        theirs = await step_error(stranger, step("mine", [5]))
+        never = await step_error(stranger, step("nobody", [5]))
+        assert theirs.details().replace("mine", "X") == never.details().replace("nobody", "X")
         assert (await owner.Info(stage_pb2.InfoRequest())).open_sessions == 1
-        call = owner.Forward(timeout=10)
-        await call.write(step("mine", [5, 6]))
-        assert (await call.read()).HasField("token_id")  # the opener steps it
-        await call.done_writing()
-        assert await call.code() == grpc.StatusCode.OK  # the stream's end closed "mine"
+        call = StageSessions(owner)
+        await call.send(steps=[step("mine", [5, 6])])
+        assert (await call.read())[0].HasField("token_id")  # the opener steps it
+        await call.call.done_writing()
+        assert await call.call.code() == grpc.StatusCode.OK  # the stream's end closed "mine"
         await owner.OpenSession(stage_pb2.OpenSessionRequest(session_id="closable", max_length=16))
         await owner.CloseSession(stage_pb2.CloseSessionRequest(session_id="closable"))  # and closes it
         assert (await owner.Info(stage_pb2.InfoRequest())).open_sessions == 0
@@ -111,9 +105,9 @@ async def test_sessions_opened_and_never_stepped_do_not_hold_the_pool(tiny_model
                             stage_options={"unstepped_session_timeout_s": 0.5, "kv_cache_gb": kv_gb_for_blocks(9)})
     stub = mesh.stage_stub(0, 0)
     try:
-        call = stub.Forward(timeout=30)  # a session in use: stepped, its stream open
+        call = StageSessions(stub)  # a session in use: stepped, its stream open
         await stub.OpenSession(stage_pb2.OpenSessionRequest(session_id="worker", max_length=100))
-        await call.write(step("worker", [5, 6]))
+        await call.send(steps=[step("worker", [5, 6])])
         await call.read()
         await stub.OpenSession(stage_pb2.OpenSessionRequest(session_id="hog", max_length=100))
         assert await status_of(stub.OpenSession(stage_pb2.OpenSessionRequest(session_id="late", max_length=100))) \
@@ -123,9 +117,9 @@ async def test_sessions_opened_and_never_stepped_do_not_hold_the_pool(tiny_model
             await asyncio.sleep(0.05)
         assert time.monotonic() - t0 < 60  # the short timeout (0.5 s), not the 300 s idle one; slow machines too
         await stub.OpenSession(stage_pb2.OpenSessionRequest(session_id="late", max_length=100))  # room again
-        await call.write(step("worker", [7], start=2))  # the stepped session was left alone
-        assert (await call.read()).HasField("token_id")
-        await call.done_writing()
+        await call.send(steps=[step("worker", [7], start=2)])  # the stepped session was left alone
+        assert (await call.read())[0].HasField("token_id")
+        call.cancel()
     finally:
         await mesh.stop()
 
@@ -143,13 +137,14 @@ async def test_a_message_larger_than_a_step_can_need_is_refused_and_the_stage_se
         too_big = stage_pb2.ForwardRequest(session_id="big", start=0,
                                            hidden=tensor_codec.encode(torch.zeros(2048, 256)))  # 2 MiB
         assert too_big.ByteSize() > limit
-        with pytest.raises(grpc.aio.AioRpcError) as err:
-            await responses(stub.Forward(iter([too_big]), timeout=10))
-        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert await step_status(stub, too_big) == grpc.StatusCode.RESOURCE_EXHAUSTED
         # A whole pass's worth is accepted, and the stage serves on.
         await stub.OpenSession(stage_pb2.OpenSessionRequest(session_id="fits", max_length=64))
         fits = stage_pb2.ForwardRequest(session_id="fits", start=0, hidden=tensor_codec.encode(torch.zeros(16, 256)))
-        [response] = await responses(stub.Forward(iter([fits]), timeout=10))
+        call = StageSessions(stub)
+        await call.send(steps=[fits])
+        [response] = await call.read()
+        call.cancel()
         assert response.HasField("token_id")
         ids = [5, 6, 7] * 20  # a 60-token prompt: in chunks of the stages' 16-token pass budget
         got, _, _ = await collect(mesh.router_stub.Generate(router_pb2.GenerateRequest(token_ids=ids,

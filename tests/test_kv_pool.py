@@ -24,7 +24,7 @@ from stagemesh.stage_server.engine.pass_plan import MAX_DECODE_GROUPS, MAX_DECOD
 from stagemesh.stage_server.service.sessions import SessionTable
 from stagemesh.tiny_model import make_tiny_model
 from stagemesh.v1 import stage_pb2
-from tests.conftest import collect, hf_greedy, splits, start_mesh
+from tests.conftest import StageSessions, collect, hf_greedy, splits, start_mesh
 from tests.test_exactness import prompt
 from tests.test_traffic import request
 
@@ -290,15 +290,16 @@ async def test_a_preempted_step_says_so(tiny_model):
     try:
         for sid in ("old", "new"):
             await stub.OpenSession(stage_pb2.OpenSessionRequest(session_id=sid, max_length=64))
-        call = stub.Forward(timeout=30)
+        call = StageSessions(stub)
         for sid in ("old", "new"):
-            await call.write(request_step(sid, list(range(5, 15)), 0))  # one block each
+            await call.send(steps=[request_step(sid, list(range(5, 15)), 0)])  # one block each
             await call.read()
-        await call.write(request_step("old", list(range(5, 15)), 10))  # a second block: the pool is dry
+        await call.send(steps=[request_step("old", list(range(5, 15)), 10)])  # a second block: the pool is dry
         await call.read()
-        await call.write(request_step("new", [7], 10))
+        await call.send(steps=[request_step("new", [7], 10)])
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await call.read()
+        call.cancel()
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "preempted to make room" in err.value.details()
     finally:

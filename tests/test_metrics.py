@@ -8,12 +8,15 @@ import urllib.request
 
 from prometheus_client import REGISTRY
 
-from stagemesh import metrics, wire
+from stagemesh import metrics
 from stagemesh.discovery.backends import open_registry
 from stagemesh.discovery.registry import ServiceRecord
 from stagemesh.registry.state import EmbeddedRegistry
+from stagemesh.router.chain_client import Chain, StageEndpoint
+from stagemesh.router.session import ChainSession
+from stagemesh.router.step_values import Sampling
 from stagemesh.scheduler.scheduler import Scheduler, SchedulerConfig
-from stagemesh.v1 import router_pb2, stage_pb2
+from stagemesh.v1 import router_pb2
 from tests.conftest import collect, splits, start_mesh, until
 from tests.test_scheduler import ControlPlane
 
@@ -65,19 +68,15 @@ async def test_stage_metrics_count_passes_tokens_bytes_and_pool_use(tiny_model):
         # showed the stream's sessions gone.
         assert [i.open_sessions for i in await mesh.settled_infos()] == [0, 0]
         await until(lambda: value("stagemesh_stage_open_sessions") == 0, 30, "the gauges show no session")
-        stubs = [mesh.stage_stub(0, i) for i in range(2)]
-        for stub in stubs:
-            await stub.OpenSession(stage_pb2.OpenSessionRequest(session_id="held", max_length=64))
-        steps = [stub.Forward() for stub in stubs]
-        await steps[0].write(stage_pb2.ForwardRequest(session_id="held", start=0, token_ids=wire.encode_ids([5, 6, 7])))
-        hidden = (await steps[0].read()).hidden
-        await steps[1].write(stage_pb2.ForwardRequest(session_id="held", start=0, hidden=hidden))
-        assert (await steps[1].read()).session_id == "held"
-        await until(lambda: value("stagemesh_stage_open_sessions") == 1 and value("stagemesh_stage_kv_used_bytes") > 0,
-                    30, "the gauges show each stage's one session and its cache")
-        assert value("stagemesh_stage_kv_free_bytes") > 0
-        for call in steps:
-            call.cancel()
+        chain = Chain([StageEndpoint(s.address) for s in mesh.stages[0]])
+        async with ChainSession(chain, 64, "held") as session:
+            await session.step([5, 6, 7], sampling=Sampling())
+            await until(lambda: value("stagemesh_stage_open_sessions") == 1
+                        and value("stagemesh_stage_kv_used_bytes") > 0,
+                        30, "the gauges show each stage's one session and its cache")
+            assert value("stagemesh_stage_kv_free_bytes") > 0
+        for stage in chain.stages:
+            await stage.close()
     finally:
         await mesh.stop()
 

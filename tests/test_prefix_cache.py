@@ -15,8 +15,9 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
 from stagemesh import tensor_codec
-from stagemesh.router.chain_client import Chain, ChainSession, StageEndpoint
-from stagemesh.router.generation import GenerationConfig
+from stagemesh.router.chain_client import Chain, StageEndpoint
+from stagemesh.router.session import ChainSession
+from stagemesh.router.session_mux import REROUTED
 from stagemesh.router.step_values import Sampling
 from stagemesh.stage_server.engine.kv_pool import KVPool, PoolExhausted, Preempted
 from stagemesh.stage_server.service.callers import prefix_domain
@@ -181,14 +182,20 @@ def test_the_prefix_cache_is_shared_by_one_host_or_the_mesh_not_by_anyone():
     assert prefix_domain(Context("ipv4:10.0.0.5:1", cert=True)) == prefix_domain(Context("ipv4:10.0.0.6:1", cert=True))
 
 
-async def _logits_after(addresses: list[str], ids: list[int],
-                        prefix: list[int]) -> tuple[int, torch.Tensor | None, int]:
-    """One relay session on these stages, opened with prefix as its prefix_ids and fed ids past what every stage
-    attached: (its next token, that token's logits, positions attached)."""
+async def _logits_after(addresses: list[str], ids: list[int], prefix: list[int],
+                        answers: bool = True) -> tuple[int | None, torch.Tensor | None, int]:
+    """One session on these stages, opened with prefix as its prefix_ids and fed ids past what every stage
+    attached: (its next token, that token's logits, positions attached). A first stage alone (answers False)
+    answers nothing: its step is known done when a Reroute sent after it, to where it ends, is answered."""
     chain = Chain([StageEndpoint(a) for a in addresses])
     try:
         async with ChainSession(chain, max_length=len(ids) + 8, request_id="prefix", prefix_ids=prefix) as session:
             attached = session.position
+            if not answers:
+                session.send(ids[attached:], Sampling(), 0, False)
+                session.muxes[0].reroute(session.session_id, len(ids))
+                await session.wait_for(0, REROUTED, len(ids) - attached, "to a reroute after the step")
+                return None, None, attached
             result = await session.step(ids[attached:], sampling=Sampling(), return_logits=True)
             logits = tensor_codec.decode(result.logits) if result.logits is not None else None  # a last stage's
             return result.token_id, logits, attached
@@ -207,7 +214,7 @@ async def test_stages_that_cached_different_lengths_start_together_and_stay_exac
         addresses = [s.address for s in mesh.stages[0]]
         ids = prompt(75, seed=41)
         await _logits_after(addresses, ids[:33], ids[:32])  # both stages: 2 blocks of 16
-        await _logits_after(addresses[:1], ids[:70], ids[:69])  # the first stage alone: 4 blocks
+        await _logits_after(addresses[:1], ids[:70], ids[:69], answers=False)  # the first stage alone: 4 blocks
         assert [(await info(mesh, i)).kv_prefix_blocks for i in range(2)] == [4, 2]
 
         token, logits, attached = await _logits_after(addresses, ids, ids[:-1])
@@ -263,11 +270,8 @@ async def test_decoding_over_attached_blocks_is_exact_for_every_family(family, m
         await mesh.stop()
 
 
-@pytest.mark.parametrize("forwarding", [True, False], ids=["forwarding", "relay"])
-async def test_prompts_that_share_a_start_reuse_it_and_stream_what_transformers_does(tiny_model, hf_models,
-                                                                                     forwarding):
-    mesh = await start_mesh(tiny_model, [splits(4, 4)],
-                            router_options={"generation": GenerationConfig(forwarding=forwarding)})
+async def test_prompts_that_share_a_start_reuse_it_and_stream_what_transformers_does(tiny_model, hf_models):
+    mesh = await start_mesh(tiny_model, [splits(4, 4)])
     try:
         system = prompt(50, seed=42)  # 3 full blocks
         prompts = [system + prompt(9, seed=43), system + prompt(20, seed=44), system[:40], system + prompt(9, seed=43)]
@@ -396,10 +400,12 @@ def test_sessions_that_share_blocks_never_see_each_others_writes(ops):
                     assert float(p.k[0, p.slots(c, pos, pos + 1)[0], 0, 0]) == _value(tokens, pos), (pos, c)
 
 
-async def test_a_stream_that_started_from_the_cache_is_replayed_when_its_middle_stage_stops(tiny_model, hf_models,
-                                                                                            caplog):
-    """Its stages logged no output for the positions they attached, so no stage can be rebuilt from them: the
-    stream moves to the other chain (which has the prompt cached too) and stays exact."""
+@pytest.mark.parametrize("dead", [1, 2])
+async def test_a_stream_that_started_from_the_cache_is_repaired_when_a_later_stage_stops(tiny_model, hf_models,
+                                                                                        caplog, dead):
+    """Its stages logged no output for the positions they attached, so the new stage is rebuilt by the stages before
+    it computing the prefix again (from token ids): the stream is repaired, not replayed, the stages after the new
+    one keep their caches, and it stays exact."""
     caplog.set_level(logging.INFO, logger="stagemesh.router")
     mesh = await start_mesh(tiny_model, [splits(2, 3, 3), splits(2, 3, 3)])
     try:
@@ -415,13 +421,15 @@ async def test_a_stream_that_started_from_the_cache_is_replayed_when_its_middle_
             got.extend((await call.read()).token_ids)
         chain = next(c for c in mesh.stages if c[1].sessions.sessions)
         assert [s.cache.attached for s in chain[0].sessions.sessions.values()] == [2 * BS]
-        await chain[1].stop(0)
+        kept = [next(iter(s.sessions.sessions.values())).cache for s in chain[dead + 1:]]
+        await chain[dead].stop(0)
         while (response := await call.read()) is not grpc.aio.EOF:
             got.extend(response.token_ids)
             last = response
         assert got == hf_greedy(hf_models["llama"], ids, 12)
-        assert "prefix caches" in caplog.text and "replaying" in caplog.text
-        assert last.cached_tokens == 2 * BS  # the other chain's stages had the prompt's 2 blocks as well
+        assert "takes its place" in caplog.text and "replaying" not in caplog.text
+        assert last.cached_tokens == 2 * BS
+        assert [c.length for c in kept] == [len(ids) + 11] * len(kept)  # the stages after it kept their caches
     finally:
         await mesh.stop()
 
@@ -442,7 +450,7 @@ async def test_an_output_log_covers_every_position_unless_the_session_started_fr
             return exc.code()
 
     try:
-        await _logits_after([chain.stages[0].address], ids, ids[:-1])  # the first stage alone: 2 blocks cached
+        await _logits_after([chain.stages[0].address], ids, ids[:-1], answers=False)  # the first stage alone: 2 blocks
         for started in (0, 2 * BS):  # the second stage had nothing, then the blocks the first session left
             async with ChainSession(chain, max_length=64, request_id="log", keep_output=True,
                                     prefix_ids=ids[:-1]) as session:

@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from stagemesh import tensor_codec
-from stagemesh.router.chain_client import Chain, ChainSession, StageEndpoint
+from stagemesh.router.chain_client import Chain, StageEndpoint
+from stagemesh.router.session import ChainSession
 from stagemesh.router.step_values import Sampling
 from stagemesh.stage_server.cpu import cpu_kernels
 from stagemesh.stage_server.cpu.packed_weights import PackedLinear

@@ -129,12 +129,12 @@ async def test_list_chains_through_reflected_types(router, mesh):
 
 
 async def test_stage_lists_its_services(stage):
-    """A stage server offers Stage, health and reflection, and Forward is a bidirectional stream."""
+    """A stage server offers Stage, health and reflection, and Sessions is a bidirectional stream."""
     services = await asyncio.to_thread(stage.services)
     assert {STAGE, HEALTH, REFLECTION} <= set(services)
     assert ROUTER not in services
-    forward = await asyncio.to_thread(stage.method, f"{STAGE}.Forward")
-    assert forward.client_streaming and forward.server_streaming
+    sessions = await asyncio.to_thread(stage.method, f"{STAGE}.Sessions")
+    assert sessions.client_streaming and sessions.server_streaming
     info = await asyncio.to_thread(stage.method, f"{STAGE}.Info")
     assert not info.client_streaming and not info.server_streaming
 

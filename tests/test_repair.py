@@ -12,16 +12,16 @@ import grpc
 import pytest
 import torch
 
-from stagemesh import grpc_server, metrics, tensor_codec, wire
+from stagemesh import grpc_server, metrics, wire
 from stagemesh.router import repair
-from stagemesh.router.chain_client import Chain, ChainSession, StageEndpoint
-from stagemesh.router.forwarding import ForwardingSession
+from stagemesh.router.chain_client import Chain, StageEndpoint
+from stagemesh.router.session import ChainSession
 from stagemesh.router.step_values import Sampling
 from stagemesh.stage_server.engine.kv_pool import KVPool
 from stagemesh.stage_server.service.output_log import OutputLog, RepairLog
 from stagemesh.stage_server.service.sessions import SessionTable
 from stagemesh.v1 import router_pb2, router_pb2_grpc, stage_pb2, stage_pb2_grpc
-from tests.conftest import hf_greedy, splits, start_mesh
+from tests.conftest import StageSessions, collect, hf_greedy, splits, start_mesh, until
 from tests.harness.fault_mesh import FaultMesh
 from tests.test_exactness import prompt
 from tests.test_fault_suite import _until
@@ -107,40 +107,6 @@ def endpoints(servers) -> list[StageEndpoint]:
     return [StageEndpoint(s.address, a, b) for s, (a, b) in zip(servers, LAYOUT, strict=True)]
 
 
-@pytest.mark.parametrize("dead", [0, 1, 2])
-@pytest.mark.parametrize("failed_at", ["prefill", "decode"])
-async def test_a_repaired_chain_continues_exact(tiny_model, hf_models, dead, failed_at):
-    """Stage `dead` of chain A stops; chain B's stage of that range takes its place. Tokens and logits of the
-    step that failed and of those after it equal transformers'; stages after the new one kept their caches."""
-    mesh = await start_mesh(tiny_model, [LAYOUT, LAYOUT], router=False)
-    try:
-        chain = Chain(endpoints(mesh.stages[0]))
-        spare = endpoints(mesh.stages[1])[dead]
-        ids = prompt(40, seed=70 + dead)
-        tokens, got = list(ids), []
-        async with ChainSession(chain, max_length=128, request_id="repair-test", keep_output=True) as session:
-            feed = ids
-            for k in range(12):
-                if k == (0 if failed_at == "prefill" else 5):
-                    after = [mesh.stages[0][j].sessions.sessions[session.session_id].cache for j in range(dead + 1, 3)]
-                    await mesh.stages[0][dead].stop(0)
-                    with pytest.raises(grpc.aio.AioRpcError):  # one chunk: a pipelined prefill is replayed
-                        await session.step(feed, sampling=Sampling(), return_logits=True)
-                    assert session.failed_stage == dead
-                    result = await repair.repair(session, spare, tokens, 16, return_logits=True)
-                    for j, cache in zip(range(dead + 1, 3), after, strict=True):  # the same cache, grown
-                        assert mesh.stages[0][j].sessions.sessions[session.session_id].cache is cache
-                        assert cache.length == len(tokens)
-                else:
-                    result = await session.step(feed, sampling=Sampling(), chunk_size=16, return_logits=True)
-                got.append(tensor_codec.decode(result.logits))
-                tokens.append(result.token_id)
-                feed = [result.token_id]
-        await assert_repaired_exactly(hf_models["llama"], ids, tokens, got, mesh, dead)
-    finally:
-        await mesh.stop()
-
-
 async def test_rebuilt_kv_equals_the_stepped_kv(twin):
     """A stage rebuilt by prefill of the logged inputs holds the same K/V as the stage that took them one
     decode step at a time (up to float rounding)."""
@@ -154,7 +120,7 @@ async def test_rebuilt_kv_equals_the_stepped_kv(twin):
             history.append(token)
             feed = [token]
         fed = session.position  # every stage holds positions 0..fed-1; history's last token is not fed yet
-        session.failed_stage, session.reached = 1, [fed] * 3
+        session.failed_stage = 1
         k_old, v_old = _kv(a[1].sessions.pool, a[1].sessions.sessions[session.session_id].cache, fed)
         await repair.repair(session, endpoints(b)[1], history, 4)  # b[1] rebuilt, then the last token goes through
         new = b[1].sessions.sessions[session.session_id].cache
@@ -178,12 +144,11 @@ async def test_the_output_log_is_its_openers_and_only_if_asked(twin):
     stub = twin.stage_stub(0, 0)
     await stub.OpenSession(keep)
     await stub.OpenSession(plain)
-    ids = stage_pb2.ForwardRequest(start=0, token_ids=wire.encode_ids([5, 6, 7]))
-    call = stub.Forward()
-    for sid in ("log-owner", "log-none"):
-        ids.session_id = sid
-        await call.write(ids)
-        await call.read()
+    call = StageSessions(stub)
+    await call.send(steps=[stage_pb2.ForwardRequest(session_id=sid, start=0, token_ids=wire.encode_ids([5, 6, 7]))
+                           for sid in ("log-owner", "log-none")])
+    await until(lambda: all(stage.sessions.sessions[sid].cache.length == 3 for sid in ("log-owner", "log-none")),
+                30, "both steps ran")
     chunks = [c async for c in stub.ReadOutput(stage_pb2.ReadOutputRequest(session_id="log-owner", end=3,
                                                                             chunk_tokens=2))]
     assert [(c.start, list(c.hidden.shape)) for c in chunks] == [(0, [2, 256]), (2, [1, 256])]
@@ -208,7 +173,7 @@ async def test_the_output_log_is_its_openers_and_only_if_asked(twin):
 
 async def test_a_forwarding_stream_is_repaired_exact_and_every_session_closed_after(tiny_model, hf_models, caplog):
     """A forwarding session (the router's default) asks its non-last stages for output logs; when its middle stage
-    stops mid-stream, the other chain's stage takes its place (router/repair.py forwarding_repair), exact, with
+    stops mid-stream, the other chain's stage takes its place (router/repair.py repair), exact, with
     no replay; the stages after it keep the session, and every session is closed when the stream ends."""
     caplog.set_level(logging.INFO, logger="stagemesh.router")
     mesh = await start_mesh(tiny_model, [LAYOUT, LAYOUT])
@@ -252,10 +217,10 @@ async def test_a_next_stage_that_lost_the_session_leaves_it_to_the_routers_repai
         spare = endpoints(mesh.stages[1])[1]
         ids = prompt(20, seed=95)
         history = list(ids)
-        async with ForwardingSession(chain, 96, "refused", keep_output=True) as session:
+        async with ChainSession(chain, 96, "refused", keep_output=True) as session:
             history.append((await session.step(ids, sampling=Sampling(), chunk_size=8)).token_id)
             history.append((await session.step(history[-1:], sampling=Sampling())).token_id)
-            session._muxes[1].call.cancel()  # the router's stream to the middle stage ends
+            session.muxes[1].call.cancel()  # the router's stream to the middle stage ends
             await _until(lambda: _closed(a[1]), 10, "the middle stage closed the session")
             with pytest.raises(grpc.aio.AioRpcError):
                 await session.step(history[-1:], sampling=Sampling())
@@ -263,7 +228,7 @@ async def test_a_next_stage_that_lost_the_session_leaves_it_to_the_routers_repai
             refused = f"next stage {a[1].address}"
             await _until(lambda: _logged(caplog, refused), 10, "the first stage heard the refusal")
             assert session.session_id in a[0].sessions.sessions  # kept for the router's repair
-            history.append((await repair.forwarding_repair(session, spare, history, 8)).token_id)
+            history.append((await repair.repair(session, spare, history, 8)).token_id)
             while len(history) < len(ids) + 12:
                 history.append((await session.step(history[-1:], sampling=Sampling())).token_id)
         assert history[len(ids):] == hf_greedy(hf_models["llama"], ids, 12)
@@ -280,20 +245,21 @@ async def _logged(caplog, text: str) -> bool:
 
 
 # The process test: two chains of three stages (real processes behind link proxies), the middle stage of the
-# busier chain SIGKILLed mid-stream, with the router in relay mode and in its default, forwarding.
+# busier chain SIGKILLed mid-stream.
 
 
-@pytest.fixture(scope="module", params=["relay", "forwarding"])
-def pm3(tiny_model, tmp_path_factory, request):
-    mode = ("--no-forwarding",) if request.param == "relay" else ("--forwarding",)
+@pytest.fixture(scope="module")
+def pm3(tiny_model, tmp_path_factory):
     mesh = FaultMesh(str(tiny_model), tmp_path_factory.mktemp("repair-logs"), chains=2, stages=3, num_layers=8,
                      stage_args=("--kv-cache-gb", "0.02"),
-                     router_args=(*mode, "--health-interval-s", "0.2", "--step-timeout-s", "5"))
+                     router_args=("--health-interval-s", "0.2", "--step-timeout-s", "5"))
     yield mesh
     mesh.stop()
 
 
 async def test_sigkill_of_a_middle_stage_is_repaired_not_replayed(pm3, hf_models):
+    """With the prefix cache on: the streams start from their prompts' cached blocks (so no stage logged them),
+    and the new middle stage is rebuilt by the first stage computing them again."""
     prompts = [prompt(30 + 7 * i, seed=500 + i) for i in range(3)]
     wanted = [hf_greedy(hf_models["llama"], p, NEW_TOKENS) for p in prompts]
     async with grpc_server.insecure_channel(pm3.router.address) as channel:
@@ -307,8 +273,19 @@ async def test_sigkill_of_a_middle_stage_is_repaired_not_replayed(pm3, hf_models
             return sum(c.healthy for c in listed.chains) == 2
 
         await _until(healthy, 60, "both chains healthy")
+
+        async def cached() -> bool:  # every prompt's full blocks (of 16) on both chains' first stages
+            for ids in prompts:  # two at a time: the router spreads them over both chains
+                once = router_pb2.GenerateRequest(token_ids=ids, max_new_tokens=1)
+                await asyncio.gather(*(collect(stub.Generate(once, timeout=60)) for _ in range(2)))
+            firsts = await asyncio.to_thread(lambda: [_info(pm3.ports[i]) for i in (0, 3)])
+            return all(i.kv_prefix_blocks >= sum((len(p) - 1) // 16 for p in prompts) for i in firsts)
+
+        await _until(cached, 60, "the prompts cached on both chains")
         repairs, failovers = (pm3.router_counter(f"stagemesh_router_{n}") for n in ("repairs", "failovers"))
         started = [asyncio.Event() for _ in prompts]
+
+        attached = []
 
         async def stream(ids, running):
             got = []
@@ -317,6 +294,7 @@ async def test_sigkill_of_a_middle_stage_is_repaired_not_replayed(pm3, hf_models
                 got.extend(r.token_ids)
                 if len(got) >= 5:
                     running.set()
+            attached.append(r.cached_tokens)
             return got
 
         streams = [asyncio.ensure_future(stream(p, r)) for p, r in zip(prompts, started, strict=True)]
@@ -325,19 +303,18 @@ async def test_sigkill_of_a_middle_stage_is_repaired_not_replayed(pm3, hf_models
         await asyncio.to_thread(pm3.inject, "sigkill", victim)
         results = await asyncio.gather(*streams)
     assert results == wanted
+    assert all(attached), attached  # every stream started from its prompt's cached blocks
     live = [p for i, p in enumerate(pm3.ports) if i != victim]
-
-    def infos() -> list[stage_pb2.StageInfo]:
-        out = []
-        for port in live:
-            with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-                out.append(stage_pb2_grpc.StageStub(ch).Info(stage_pb2.InfoRequest(), timeout=5))
-        return out
 
     async def all_closed() -> bool:
         return all(i.open_sessions == 0 and i.kv_used_bytes == 0 and i.output_log_bytes == 0
-                   for i in await asyncio.to_thread(infos))
+                   for i in await asyncio.to_thread(lambda: [_info(port) for port in live]))
 
     await _until(all_closed, 20, "every live stage back to 0 sessions, KV bytes and log bytes")
     assert pm3.router_counter("stagemesh_router_repairs") > repairs, "no stream was repaired"
     assert pm3.router_counter("stagemesh_router_failovers") == failovers, "a stream was replayed on another chain"
+
+
+def _info(port: int) -> stage_pb2.StageInfo:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        return stage_pb2_grpc.StageStub(channel).Info(stage_pb2.InfoRequest(), timeout=5)

@@ -15,10 +15,11 @@ from prometheus_client import REGISTRY
 
 from stagemesh import grpc_server, metrics
 from stagemesh.errors import StatusError
-from stagemesh.router.chain_client import ChainSession, Progress
+from stagemesh.router.chain_client import Progress
 from stagemesh.router.chain_probe import ChainProbeConfig
 from stagemesh.router.generation import Backoff, GenerationConfig
 from stagemesh.router.server import RouterConfig, RouterServer
+from stagemesh.router.session import ChainSession
 from stagemesh.router.step_values import Sampling
 from stagemesh.stage_server.config import BatcherConfig
 from stagemesh.stage_server.engine.kv_pool import PoolExhausted
@@ -98,9 +99,8 @@ async def test_a_hung_stage_is_failed_over_like_a_dead_one(tiny_model, hf_models
         await mesh.stop()
 
 
-@pytest.mark.parametrize("forwarding", [True, False], ids=["forwarding", "relay"])
 async def test_a_session_waiting_upstream_for_its_first_step_is_not_expired_downstream(tiny_model, hf_models,
-                                                                                       forwarding, monkeypatch):
+                                                                                       monkeypatch):
     """The first stage holds every session's first step back for 1.5 s, as a queue of long prompts ahead of
     it does under load, longer than the stages' unstepped-session timeout (0.3 s here, 30 s by default). The
     last stage's session is in use all along (its router holds it and will step it), so it must wait, not
@@ -122,7 +122,7 @@ async def test_a_session_waiting_upstream_for_its_first_step_is_not_expired_down
         # No end-to-end probes: their first steps would be held 1.5 s too, which the stage does not report, and a
         # probe would rightly find the chain not answering in time (tests/test_chain_health.py covers probes).
         stub = await router_over(mesh, tiny_model, [f"{first.address},{last.address}"], step_timeout_s=30.0,
-                                 forwarding=forwarding, probe=ChainProbeConfig(probe_interval_s=0))
+                                 probe=ChainProbeConfig(probe_interval_s=0))
         ids = prompt(16, seed=33)
         got, _, _ = await collect(stub.Generate(request(ids, 12), timeout=60))
         assert got == hf_greedy(hf_models["llama"], ids, 12)

@@ -1,8 +1,8 @@
-"""Issue 47's sampling API on the gRPC path, through a real router and stages, both session paths (forwarding and
-relay): logprobs and top_logprobs equal transformers' log-softmax of the same model, repetition_penalty equals
-transformers' generate(repetition_penalty=...), logit_bias, the seed rule, stop_token_ids / ignore_eos / min_tokens,
-usage, the stop-string rule, GetModelInfo, the bounds, and a sampled, penalised stream that stays token-exact when a
-stage is killed mid-stream (the token history travels with the replay and the repair)."""
+"""Issue 47's sampling API on the gRPC path, through a real router and stages: logprobs and top_logprobs equal
+transformers' log-softmax of the same model, repetition_penalty equals transformers'
+generate(repetition_penalty=...), logit_bias, the seed rule, stop_token_ids / ignore_eos / min_tokens, usage, the
+stop-string rule, GetModelInfo, the bounds, and a sampled, penalised stream that stays token-exact when a stage is
+killed mid-stream (the token history travels with the replay and the repair)."""
 
 from __future__ import annotations
 
@@ -10,21 +10,18 @@ import grpc
 import pytest
 import torch
 
-from stagemesh.router.generation import GenerationConfig
 from stagemesh.v1 import router_pb2
 from tests.conftest import collect, hf_greedy, splits, start_mesh
 from tests.test_exactness import prompt
 
 EOS = 1  # the tiny tokenizer's </s>
-PATHS = ("forwarding", "relay")
+PATHS = ("forwarding",)
 
 
 @pytest.fixture(scope="module")
 async def meshes(tiny_model):
     started = {
         "forwarding": await start_mesh(tiny_model, [splits(3, 5)]),
-        "relay": await start_mesh(tiny_model, [splits(3, 5)],
-                                  router_options={"generation": GenerationConfig(forwarding=False)}),
     }
     yield started
     for mesh in started.values():
@@ -223,8 +220,7 @@ async def test_a_sampled_penalised_stream_stays_exact_when_its_last_stage_is_kil
     same layers: a repair) and its tokens are those of an uninterrupted run, so the new last stage had the prompt
     and every generated token, by position."""
     chains = [splits(4, 4), splits(2, 6)] if layout == "replay" else [splits(4, 4), splits(4, 4)]
-    options = {"generation": GenerationConfig(forwarding=path == "forwarding")}
-    mesh = await start_mesh(tiny_model, chains, router_options=options)
+    mesh = await start_mesh(tiny_model, chains)
     try:
         stub = mesh.router_stub
         ids = prompt(6, seed=12) * 2

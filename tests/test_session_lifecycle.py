@@ -16,7 +16,7 @@ from stagemesh.discovery.chain_table import PublishedChain, PublishedStage
 from stagemesh.router import chain_client
 from stagemesh.router.chains import STAGE_SERVICE
 from stagemesh.v1 import router_pb2, stage_pb2
-from tests.conftest import collect, hf_greedy, splits, start_mesh, until
+from tests.conftest import StageSessions, collect, hf_greedy, splits, start_mesh, until
 
 
 @pytest.fixture(scope="module")
@@ -179,9 +179,9 @@ async def test_a_draining_stage_lets_its_streams_end_and_takes_no_new_session(ti
             calls, tokens = [], []
             for i in range(4):
                 await stub.OpenSession(stage_pb2.OpenSessionRequest(session_id=f"open{i}", max_length=16))
-                calls.append(stub.Forward())
-                await calls[i].write(step(f"open{i}", 0, [5, 6, 7 + i]))
-                tokens.append((await calls[i].read()).token_id)
+                calls.append(StageSessions(stub))
+                await calls[i].send(steps=[step(f"open{i}", 0, [5, 6, 7 + i])])
+                tokens.append((await calls[i].read())[0].token_id)
             stopping = asyncio.ensure_future(stage.stop(30))
             await until(lambda stage=stage: stage.slot.draining, 10, "the stage drains")
             health = await health_pb2_grpc.HealthStub(own.channels[0]).Check(
@@ -191,8 +191,8 @@ async def test_a_draining_stage_lets_its_streams_end_and_takes_no_new_session(ti
                 await stub.OpenSession(stage_pb2.OpenSessionRequest(session_id="new", max_length=16), timeout=5)
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
             for i, call in enumerate(calls):
-                await call.write(step(f"open{i}", 3, [tokens[i]]))
-                assert (await call.read()).session_id == f"open{i}"
+                await call.send(steps=[step(f"open{i}", 3, [tokens[i]])])
+                assert (await call.read())[0].session_id == f"open{i}"
             assert not stopping.done(), "the stage waits for its open streams"
             for call in calls:
                 call.cancel()

@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from stagemesh import grpc_server
-from stagemesh.router.forwarding import ForwardingSession
+from stagemesh.router.session import ChainSession
 from stagemesh.router.step_values import Sampling
 from stagemesh.stage_server.config import BatcherConfig
 from stagemesh.stage_server.service import session_stream
@@ -26,7 +26,7 @@ def streams_on(stage) -> int:
     return len(session_stream._streams.get(stage.slot.current, ()))
 
 
-async def greedy(session: ForwardingSession, ids: list[int], n: int) -> list[int]:
+async def greedy(session: ChainSession, ids: list[int], n: int) -> list[int]:
     tokens = [(await session.step(ids, sampling=Sampling(), chunk_size=4)).token_id]
     while len(tokens) < n:
         tokens.append((await session.step(tokens[-1:], sampling=Sampling())).token_id)
@@ -38,7 +38,7 @@ async def test_many_sessions_on_one_stream_per_stage_equal_transformers(tiny_mod
     prompts = [prompt(3 + 4 * i, seed=60 + i) for i in range(10)]
     async with one_chain(tiny_model, n_stages) as (mesh, chain):
         async def run(p: list[int]) -> list[int]:
-            async with ForwardingSession(chain, 64, "mux") as session:
+            async with ChainSession(chain, 64, "mux") as session:
                 return await greedy(session, p, 8)
 
         got = await asyncio.gather(*(run(p) for p in prompts))
@@ -51,11 +51,11 @@ async def test_many_sessions_on_one_stream_per_stage_equal_transformers(tiny_mod
 async def test_a_bad_step_or_open_costs_only_its_session(tiny_model, hf_models):
     ids = prompt(9, seed=61)
     async with one_chain(tiny_model, 2) as (mesh, chain):
-        async with ForwardingSession(chain, 64, "bystander") as bystander:
+        async with ChainSession(chain, 64, "bystander") as bystander:
             tokens = [(await bystander.step(ids, sampling=Sampling())).token_id]
             # Checked on arrival (a token outside the vocabulary), or in the step's own task (a wrong position).
             for bad, skip, words in (([10**6], 0, "outside the vocabulary"), ([5], 3, "step starts at position")):
-                async with ForwardingSession(chain, 64, "victim") as victim:
+                async with ChainSession(chain, 64, "victim") as victim:
                     await victim.step(ids, sampling=Sampling())
                     victim.position += skip
                     with pytest.raises(grpc.aio.AioRpcError) as failed:
@@ -65,7 +65,7 @@ async def test_a_bad_step_or_open_costs_only_its_session(tiny_model, hf_models):
                 tokens.append((await bystander.step(tokens[-1:], sampling=Sampling())).token_id)
             # A session of more positions than the model has: refused at open, by the first stage (chain order).
             with pytest.raises(grpc.aio.AioRpcError) as refused:
-                async with ForwardingSession(chain, 10**6, "too-long"):
+                async with ChainSession(chain, 10**6, "too-long"):
                     pass
             assert refused.value.code() == grpc.StatusCode.OUT_OF_RANGE
             assert chain.stages[0].address in refused.value.details()
@@ -78,7 +78,7 @@ async def test_a_bad_step_or_open_costs_only_its_session(tiny_model, hf_models):
 async def test_an_outsider_on_its_own_stream_cannot_step_reroute_or_close_a_session(tiny_model, hf_models):
     ids = prompt(9, seed=62)
     async with one_chain(tiny_model, 2) as (mesh, chain):
-        async with ForwardingSession(chain, 64, "owned") as session:
+        async with ChainSession(chain, 64, "owned") as session:
             tokens = [(await session.step(ids, sampling=Sampling())).token_id]
             sid = session.session_id
             step = stage_pb2.ForwardRequest(session_id=sid, start=len(ids))
@@ -99,7 +99,7 @@ async def test_an_outsider_on_its_own_stream_cannot_step_reroute_or_close_a_sess
 
 async def test_the_streams_end_closes_every_session_it_carried(tiny_model):
     async with one_chain(tiny_model, 3) as (mesh, chain):
-        sessions = [ForwardingSession(chain, 64, f"s{i}") for i in range(4)]
+        sessions = [ChainSession(chain, 64, f"s{i}") for i in range(4)]
         for session in sessions:
             await session.__aenter__()
             await session.step(prompt(5, seed=63), sampling=Sampling())
@@ -143,12 +143,12 @@ async def test_a_lone_sessions_decode_steps_skip_the_queue_and_stay_exact(tiny_m
             run_now = stage.batcher.run_now
             monkeypatch.setattr(stage.batcher, "run_now", lambda req, run=run_now: at_once.append(req) or run(req))
         ids = prompt(9, seed=64)
-        async with ForwardingSession(chain, 64, "lone") as session:
+        async with ChainSession(chain, 64, "lone") as session:
             assert await greedy(session, ids, 8) == hf_greedy(hf_models["llama"], ids, 8)
         assert len(at_once) >= 2 * 5  # both stages, every decode step after the first (which sets the pass time)
         at_once.clear()
         prompts = [prompt(5, seed=65), prompt(7, seed=66)]
-        async with ForwardingSession(chain, 64, "a") as a, ForwardingSession(chain, 64, "b") as b:
+        async with ChainSession(chain, 64, "a") as a, ChainSession(chain, 64, "b") as b:
             got = await asyncio.gather(greedy(a, prompts[0], 6), greedy(b, prompts[1], 6))
         assert got == [hf_greedy(hf_models["llama"], p, 6) for p in prompts]
         assert not at_once

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from stagemesh.checkpoint import ModelArgs, read_config
-from stagemesh.router.chain_client import Chain, ChainSession, StageEndpoint
+from stagemesh.router.chain_client import Chain, StageEndpoint
 from stagemesh.router.server import RouterConfig, RouterServer
+from stagemesh.router.session import ChainSession
 from stagemesh.router.step_values import Sampling
 from stagemesh.stage_server.config import BatcherConfig, StageConfig
 from stagemesh.stage_server.engine import tensor_parallel

@@ -6,11 +6,12 @@ import pytest
 import torch
 
 from stagemesh import tensor_codec
-from stagemesh.router.chain_client import Chain, ChainSession, StageEndpoint
+from stagemesh.router.chain_client import Chain, StageEndpoint
+from stagemesh.router.session import ChainSession
 from stagemesh.router.step_values import Sampling
 from stagemesh.v1 import stage_pb2
 from stagemesh.wire import encode_ids
-from tests.conftest import splits, start_mesh
+from tests.conftest import StageSessions, splits, start_mesh, until
 
 
 def test_int8_rows_keep_their_scale_and_a_half_step_error():
@@ -46,12 +47,16 @@ async def test_wire_dtype_between_stages(tiny_model, hf_models, wire, max_logit_
             logits = tensor_codec.decode(r.logits)
         torch.testing.assert_close(logits, expected, atol=max_logit_error, rtol=0)
         first = mesh.stage_stub(0, 0)
-        async with ChainSession(chain, 64, "bytes", wire_dtype=wire):
-            await first.OpenSession(stage_pb2.OpenSessionRequest(session_id="probe", max_length=8))
-            request = stage_pb2.ForwardRequest(session_id="probe", start=0, wire_dtype=wire,
-                                               token_ids=encode_ids([5, 6]))
-            async for response in first.Forward(iter([request])):
-                assert len(response.hidden.data) == 2 * 256 * bytes_per_value
+        # What the first stage sends on for a session of this wire dtype: its output log holds the same encoding.
+        await first.OpenSession(stage_pb2.OpenSessionRequest(session_id="probe", max_length=8, wire_dtype=wire,
+                                                             keep_output=True))
+        call = StageSessions(first)
+        await call.send(steps=[stage_pb2.ForwardRequest(session_id="probe", start=0, token_ids=encode_ids([5, 6]))])
+        probe = mesh.stages[0][0].sessions.sessions["probe"]
+        await until(lambda: probe.output.length == 2, 30, "the probe's step ran")
+        [chunk] = [c async for c in first.ReadOutput(stage_pb2.ReadOutputRequest(session_id="probe", end=2))]
+        assert len(chunk.hidden.data) == 2 * 256 * bytes_per_value
+        call.cancel()
     finally:
         for s in chain.stages:
             await s.close()

@@ -70,7 +70,7 @@ def per_call_us(fn, n: int, repeats: int = 9) -> float:
 
 def wire_row(tokens: int, hidden: int, calls: int) -> dict:
     """Each removed copy timed alone, as it was and as it is, on a [tokens, hidden] float32 hidden state:
-    encode: a Tensor message of its own then CopyFrom into the response, against writing into the response's
+    encode: a Tensor message of its own then CopyFrom into the relayed step, against writing into the step's
     field; decode: the received bytes copied into a bytearray and viewed, against viewed as they are."""
     import torch
 
@@ -84,10 +84,10 @@ def wire_row(tokens: int, hidden: int, calls: int) -> dict:
     data = received.hidden.data
 
     def encode_before():
-        stage_pb2.ForwardResponse(session_id="0" * 32).hidden.CopyFrom(tensor_codec.encode_hidden(h))
+        stage_pb2.ForwardRequest(session_id="0" * 32).hidden.CopyFrom(tensor_codec.encode_hidden(h))
 
     def encode_now():
-        tensor_codec.encode_hidden_into(stage_pb2.ForwardResponse(session_id="0" * 32).hidden, h)
+        tensor_codec.encode_hidden_into(stage_pb2.ForwardRequest(session_id="0" * 32).hidden, h)
 
     assert torch.equal(torch.frombuffer(bytearray(data), dtype=torch.float32).view(tokens, hidden),
                        tensor_codec.decode(received.hidden))

@@ -1,11 +1,11 @@
 """The router's own per-token cost: a real router process in front of a stage that does no work.
 
     python scripts/dev/bench_router.py [--streams 1,100,1000] [--tokens 32] [--step-ms 0,1000] [--repeats 3]
-                                   [--stages 1] [--modes forwarding,relay]
+                                   [--stages 1]
 
 The "instant stage" below is a measuring device, not a model: it implements stagemesh.v1.Stage and
-answers every step with token 5 (a non-last stage: with hidden states of the tiny model's size, 1 KiB,
-to the router in relay mode or straight to the next instant stage when forwarding), either at once
+answers every step with token 5 (a non-last stage: sends hidden states of the tiny model's size, 1 KiB,
+straight to the next instant stage), either at once
 (--step-ms 0: the mesh runs flat out and the router is
 the bottleneck) or after a step time drawn uniformly from 0.5..1.5 x --step-ms (a stage that computes,
 without spending CPU on it), so that 1,000 streams offer a load the machine can carry. Per setting,
@@ -13,8 +13,8 @@ medians over --repeats runs:
 
 - router CPU ms/token: the router process's CPU time over the tokens streamed (the run time of its threads
   from /proc/PID/task/*/schedstat, in nanoseconds: psutil's clock-tick times read 0 for a short run);
-- turnaround as the stage sees it: from the stage sending a session's token to receiving that session's
-  next step, i.e. two loopback hops plus everything the router does per token (exact samples);
+- turnaround as the stage sees it (one-stage chains): from the stage sending a session's token to receiving
+  that session's next step, i.e. two loopback hops plus everything the router does per token (exact samples);
 - turnaround as the router sees it: its stagemesh_router_token_turnaround_seconds histogram, from
   reading the last stage's token to writing the next step (p99 as the bucket bound it falls in);
 - the inter-token gap the callers see (with --step-ms > 0 it includes the stage's step time).
@@ -62,24 +62,19 @@ class InstantStage(stage_pb2_grpc.StageServicer):
         self.fingerprint = fingerprint  # the router's model's: it refuses a chain of another
         self.step_s = step_ms / 1000
         self.turnarounds: list[float] = []  # token sent -> the same session's next step received
-        self.routes: dict[str, stage_pb2.OpenSessionRequest] = {}  # forwarding sessions: where to send
-        self.feeds: dict[str, asyncio.Queue] = {}  # last stage: the router's stream that follows a session
+        self.routes: dict[str, stage_pb2.OpenSessionRequest] = {}  # open sessions: where to send
+        self.feeds: dict[str, asyncio.Queue] = {}  # last stage: the router's stream that opened a session
+        self.sent_at: dict[str, float] = {}  # one-stage chains: when a session's last token was sent
         self.links: dict[str, tuple[grpc.aio.StreamStreamCall, asyncio.Lock]] = {}
 
     async def OpenSession(self, request, context):
-        if request.next_address or request.upstream_key:
-            self.routes[request.session_id] = request
+        self.routes[request.session_id] = request
         return stage_pb2.OpenSessionResponse(session_id=request.session_id)
 
     async def CloseSession(self, request, context):
         self.routes.pop(request.session_id, None)
         self.feeds.pop(request.session_id, None)
         return stage_pb2.CloseSessionResponse()
-
-    def _answer(self, session_id: str) -> stage_pb2.ForwardResponse:
-        if self.is_last:
-            return stage_pb2.ForwardResponse(session_id=session_id, token_id=5)
-        return stage_pb2.ForwardResponse(session_id=session_id, hidden=HIDDEN)
 
     async def _send_on(self, route: stage_pb2.OpenSessionRequest, request: stage_pb2.ForwardRequest) -> None:
         link = self.links.get(route.next_address)
@@ -92,30 +87,8 @@ class InstantStage(stage_pb2_grpc.StageServicer):
                 session_id=request.session_id, start=request.start, hidden=HIDDEN, hop_key=route.next_key,
                 skip_sample=request.skip_sample)]))
 
-    async def Forward(self, request_iterator, context):
-        sent_at = None
-        feed = None
-        async for request in request_iterator:
-            if request.follow:
-                if request.session_id not in self.routes:
-                    continue  # relay mode: the router holds the session on this stream; its steps follow
-                feed = self.feeds[request.session_id] = asyncio.Queue()  # forwarding: tokens come from Relay
-                break
-            if sent_at is not None:
-                self.turnarounds.append(time.perf_counter() - sent_at)
-            if self.step_s:
-                await asyncio.sleep(self.step_s * random.uniform(0.5, 1.5))
-            route = self.routes.get(request.session_id)
-            if route is not None and route.next_address:
-                await self._send_on(route, request)
-                continue
-            yield self._answer(request.session_id)
-            sent_at = time.perf_counter()  # the generator resumes once the reply is on its way
-        while feed is not None:
-            yield await feed.get()
-
     async def Sessions(self, request_iterator, context):
-        """Forwarding: the router's one stream here for all its sessions, batched both ways."""
+        """The router's one stream here for all its sessions, batched both ways."""
         events: asyncio.Queue = asyncio.Queue()  # a session id (opened) or a ForwardResponse (last stage's token)
         running: set[asyncio.Task] = set()
 
@@ -125,13 +98,16 @@ class InstantStage(stage_pb2_grpc.StageServicer):
                     await self.OpenSession(request, context)
                     self.feeds[request.session_id] = events
                     events.put_nowait(request.session_id)
-                for request in batch.steps:  # first stage: steps go on over Relay
+                for request in batch.steps:  # first stage: steps go on over Relay (or answer, on one stage)
+                    if (sent_at := self.sent_at.pop(request.session_id, None)) is not None:
+                        self.turnarounds.append(time.perf_counter() - sent_at)
                     task = asyncio.get_running_loop().create_task(self._relayed(request))
                     running.add(task)
                     task.add_done_callback(running.discard)
                 for sid in batch.close:
                     self.routes.pop(sid, None)
                     self.feeds.pop(sid, None)
+                    self.sent_at.pop(sid, None)
 
         loop, written_at = asyncio.get_running_loop(), 0.0
         reader = loop.create_task(read())
@@ -151,6 +127,9 @@ class InstantStage(stage_pb2_grpc.StageServicer):
                         break
                     item = events.get_nowait()
                 yield message
+                now = time.perf_counter()  # the generator resumes once the message is on its way
+                for result in message.results:
+                    self.sent_at[result.session_id] = now
         finally:
             reader.cancel()
 
@@ -176,7 +155,8 @@ class InstantStage(stage_pb2_grpc.StageServicer):
         if route.next_address:
             await self._send_on(route, request)
         elif not request.skip_sample and request.session_id in self.feeds:
-            self.feeds[request.session_id].put_nowait(self._answer(request.session_id))
+            self.feeds[request.session_id].put_nowait(stage_pb2.ForwardResponse(session_id=request.session_id,
+                                                                                token_id=5))
 
     async def Info(self, request, context):
         return stage_pb2.StageInfo(layer_start=self.layers[0], layer_end=self.layers[1], num_layers=self.num_layers,
@@ -290,19 +270,18 @@ def collect_stage_samples(stage: subprocess.Popen, path: Path) -> list[float]:
 
 
 def measure(model: str, layers: int, step_ms: float, streams_list: list[int], tokens: int,
-            repeats: int, n_stages: int = 1, mode: str = "forwarding") -> list[dict]:
+            repeats: int, n_stages: int = 1) -> list[dict]:
     dump_path = Path(f"/tmp/bench-router-{os.getpid()}.json")
     fingerprint = serving_fingerprint(model_fingerprint(model), "float32", "none")
     spawned = [spawn([sys.executable, __file__, "--serve-instant-stage", f"{a}:{b}:{layers}",
                       "--step-ms", str(step_ms), "--dump", str(dump_path), "--fingerprint", fingerprint])
                for a, b in even_split(layers, n_stages)]
     stages = [proc for proc, _ in spawned]
-    stage = stages[-1]  # the stage whose turnarounds are sampled (relay mode: it sees the router's steps)
+    stage = stages[0]  # the stage whose turnarounds are sampled (on a one-stage chain: it sends and receives)
     metrics_port = free_port()
     router, router_address = spawn([sys.executable, "-m", "stagemesh.cli", "--log-level", "warning", "router",
                                     "--model", model, "--chain", ",".join(address for _, address in spawned),
-                                    "--port", "0", "--metrics-port", str(metrics_port), "--slots-per-chain", "100000",
-                                    "--forwarding" if mode == "forwarding" else "--no-forwarding"])
+                                    "--port", "0", "--metrics-port", str(metrics_port), "--slots-per-chain", "100000"])
 
     def one_run(streams: int) -> dict:
         collect_stage_samples(stage, dump_path)  # drop anything from before this run
@@ -326,7 +305,7 @@ def measure(model: str, layers: int, step_ms: float, streams_list: list[int], to
         wait_for_chains(router_address, 1, timeout=60)  # its health checks passed
         for streams in streams_list:
             runs = [one_run(streams) for _ in range(repeats)]
-            row = {"stages": n_stages, "mode": mode, "step_ms": step_ms, "streams": streams, "runs": runs}
+            row = {"stages": n_stages, "step_ms": step_ms, "streams": streams, "runs": runs}
             row.update({k: statistics.median(r[k] for r in runs) for k in runs[0]})
             rows.append(row)
             print_row(row)
@@ -338,16 +317,16 @@ def measure(model: str, layers: int, step_ms: float, streams_list: list[int], to
     return rows
 
 
-HEADER = (f"{'stages':>6} {'mode':>10} "
+HEADER = (f"{'stages':>6} "
           f"{'step ms':>7} {'streams':>7} {'tokens/s':>8} {'router CPU':>10} {'turnaround seen by stage':>24} "
           f"{'by router':>15} {'caller gap':>15}\n"
-          f"{'':>6} {'':>10} "
+          f"{'':>6} "
           f"{'':>7} {'':>7} {'':>8} {'ms/token':>10} {'median ms':>11} {'p99 ms':>12} {'p50 ≤':>7} {'p99 ≤':>7} "
           f"{'median':>7} {'p99':>7}")
 
 
 def print_row(r: dict) -> None:
-    print(f"{r['stages']:>6} {r['mode']:>10} "
+    print(f"{r['stages']:>6} "
           f"{r['step_ms']:>7.0f} {r['streams']:>7} {r['tokens_per_s']:>8.0f} {r['router_cpu_ms_per_token']:>10.3f} "
           f"{r['stage_seen_median_ms']:>11.3f} {r['stage_seen_p99_ms']:>12.3f} {r['router_seen_p50_le_ms']:>7.2f} "
           f"{r['router_seen_p99_le_ms']:>7.2f} {r['gap_median_ms']:>7.1f} {r['gap_p99_ms']:>7.1f}", flush=True)
@@ -364,8 +343,6 @@ def main() -> None:
     p.add_argument("--step-ms", default="0,1000",
                    help="the instant stage's mean step time per setting (0: answer at once)")
     p.add_argument("--stages", type=int, default=1, help="instant stages per chain")
-    p.add_argument("--modes", default="forwarding",
-                   help="the router's data path per setting: forwarding (the default), relay (--no-forwarding) or both")
     p.add_argument("--repeats", type=int, default=3, help="runs per setting; the table shows their medians")
     p.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
     a = p.parse_args()
@@ -381,8 +358,7 @@ def main() -> None:
     print(HEADER)
     rows = []
     for step_ms in (float(s) for s in a.step_ms.split(",")):
-        for mode in a.modes.split(","):
-            rows += measure(model, layers, step_ms, streams, a.tokens, a.repeats, a.stages, mode)
+        rows += measure(model, layers, step_ms, streams, a.tokens, a.repeats, a.stages)
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(), "rows": rows},

@@ -23,7 +23,7 @@ from stagemesh import metrics
 from stagemesh.config_flags import refused
 from stagemesh.router.chain_client import Chain, Progress
 from stagemesh.router.chains import ChainSet
-from stagemesh.router.forwarding import session_class
+from stagemesh.router.session import ChainSession
 from stagemesh.router.step_values import Sampling
 
 log = logging.getLogger("stagemesh.router")
@@ -60,10 +60,9 @@ class ChainProber:
     """Probes every chain of a ChainSet: those in service every probe_interval_s (busy or idle), and those held
     down by failed probes as often, to see them pass again."""
 
-    def __init__(self, chains: ChainSet, config: ChainProbeConfig, forwarding: bool = True, wire_dtype: str = ""):
+    def __init__(self, chains: ChainSet, config: ChainProbeConfig, wire_dtype: str = ""):
         self.chains = chains
         self.config = config
-        self.forwarding = forwarding  # the sessions real streams use (GenerationConfig.forwarding)
         self.wire_dtype = wire_dtype
         self.failures: dict[str, int] = {}  # failed probes in a row, by chain id
         self._running: dict[str, asyncio.Task] = {}
@@ -77,8 +76,8 @@ class ChainProber:
         bound = 2 * progress.timeout(chain, 1) + 1.0  # open and step each have the session's own deadline
         try:
             async with asyncio.timeout(bound):
-                async with session_class(self.forwarding, len(chain.stages))(
-                        chain, PROBE_POSITIONS, request_id, wire_dtype=self.wire_dtype, progress=progress) as session:
+                async with ChainSession(chain, PROBE_POSITIONS, request_id, wire_dtype=self.wire_dtype,
+                                        progress=progress) as session:
                     chain.sessions.discard(session)  # not a stream: the chain marked down does not abort it
                     await session.step([PROBE_TOKEN], sampling=Sampling())
             outcome, why = PASS, ""

@@ -14,11 +14,11 @@ import grpc
 from stagemesh import metrics
 from stagemesh.config_flags import refused
 from stagemesh.errors import StatusError
-from stagemesh.router.chain_client import ChainSession, Progress
+from stagemesh.router.chain_client import Progress
 from stagemesh.router.chains import ChainSet, NoUsableChain
 from stagemesh.router.detokenizer import IncrementalText
-from stagemesh.router.forwarding import session_class
 from stagemesh.router.repair import Repairs
+from stagemesh.router.session import ChainSession
 from stagemesh.router.step_values import Sampling, TokenLogprob
 from stagemesh.wire import WIRE_DTYPES
 
@@ -128,10 +128,6 @@ class GenerationConfig:
     step_timeout_s: float = 10.0
     """A stage that answers no step in this long (plus a margin scaled by its reported step time) is
     taken for hung: the stream moves to another chain."""
-    forwarding: bool = True
-    """Stages send hidden states straight to the next stage and the last one sends the token back
-    (N + 1 one-way trips per token on N stages); off (--no-forwarding): relay mode, every hop through the
-    router (2N trips, the router decodes and re-encodes every hidden state)."""
     max_full_wait_s: float = 30.0
     """When every chain is full, how long a request waits for room (retrying with backoff) before
     RESOURCE_EXHAUSTED; its deadline, if sooner, bounds the wait too."""
@@ -191,9 +187,8 @@ async def generate(
         chain.in_flight += 1
         chunk = chain.prefill_chunk(config.prefill_chunk)
         try:
-            session_type = session_class(config.forwarding, len(chain.stages))
             history = req.prompt_ids + generated
-            async with session_type(chain, max_length, req.request_id, req.deadline, config.wire_dtype,
+            async with ChainSession(chain, max_length, req.request_id, req.deadline, config.wire_dtype,
                                     progress, sampling, keep_output=config.repair,
                                     prefix_ids=history[:-1], history=lambda: req.prompt_ids + generated,
                                     prompt_length=len(req.prompt_ids), cache_scope=req.cache_scope) as session:

@@ -23,15 +23,21 @@ class Chunk(NamedTuple):
     """The step's last chunk (the one that samples): sent without ack, answered with the step's result."""
 
 
+def chunks(start: int, end: int, size: int) -> list[tuple[int, int]]:
+    """Positions start..end-1 as [a, b) pieces of at most size (0: one piece): the one chunker of prefills,
+    of the router's steps and of a repair's rebuild."""
+    size = size or max(1, end - start)
+    return [(a, min(end, a + size)) for a in range(start, end, size)]
+
+
 class PrefillWindow:
     """One step's chunks not yet sent, and how many sent are not yet acknowledged by the last stage."""
 
     def __init__(self, start: int, token_ids: list[int], chunk_size: int, stages: int):
-        size = chunk_size if chunk_size and len(token_ids) > chunk_size else max(1, len(token_ids))
+        end = start + len(token_ids)
         self.ahead = max(1, AHEAD_PER_STAGE * stages)
-        self.pending: deque[Chunk] = deque(
-            Chunk(start + k, token_ids[k: k + size], k + size >= len(token_ids))
-            for k in range(0, len(token_ids), size))
+        self.pending: deque[Chunk] = deque(Chunk(a, token_ids[a - start: b - start], b == end)
+                                           for a, b in chunks(start, end, chunk_size))
         self.in_flight = 0
 
     def take(self) -> list[Chunk]:

@@ -1,32 +1,35 @@
-"""Repair: when one stage of a chain fails mid-stream, a stage that serves the same layer range (in
-another chain) takes its place in the request's session, and only it is rebuilt: from the previous
-stage's output log (Stage/ReadOutput; token ids for a first stage, which the router has), sent to it
-as prefill chunks. The stages after it keep their KV caches; they only take the positions they had not
-seen yet. Replaying the whole prefix on another chain (generation.py's failover) rebuilds every stage.
+"""Repair: when one stage of a chain fails mid-stream, a stage that serves the same layer range (in another
+chain) takes its place in the request's session, and only the stages that must are rebuilt; the stages after it
+keep their KV caches. Replaying the whole prefix on another chain (generation.py's failover) rebuilds every stage.
 
-A forwarding session (router/forwarding.py, opened repairable: a broken link leaves its stages' sessions
-open) is repaired the same way (forwarding_repair): the new stage is opened answering on its own stream,
-rebuilt, then every stage is rewound to the position before the failed step and the previous one re-pointed
-at it (SessionBatch.reroute), and the failed step is sent again from the router.
+The session is opened repairable (a broken link leaves its stages' sessions open). The new stage is opened
+answering on its own stream and rebuilt for positions 0..position-1: from token ids (a first stage: the router has
+them), else from the previous stage's output log (Stage/ReadOutput, sent as prefill chunks). A session that
+started from the stages' prefix caches has no log (a stage logs only what it computed): the new stage attaches
+what its own prefix cache holds of the positions, and when that is not all, the stages before it are rewound to
+where it stands and compute the rest again into it (Reroute.wait: it is rerouted once it holds them all). Then
+every stage is rewound to the position before the failed step (SessionBatch.reroute: what it took of that step is
+dropped) and the new stage and the one before it pointed at their next; then the failed step goes again from the
+router.
 
-Replayed instead: a relay session whose stages' positions are not known (a failure while a chunked prefill
-was in flight at several stages), a session whose previous stage kept no log (--repair-log-tokens), a failure
-that names no stage (a hung chain's timeout), and one with no stage to take the place."""
+Replayed instead: a failure that names no stage (a hung chain's timeout), a session whose previous stage lost its
+log (--repair-log-tokens), and one with no stage to take the place."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import secrets
+from collections.abc import AsyncIterator
 
 import grpc
 
 from stagemesh import metrics
-from stagemesh.router.chain_client import ChainSession, StageEndpoint, background
+from stagemesh.router.chain_client import StageEndpoint
 from stagemesh.router.chains import ChainSet
-from stagemesh.router.forwarding import ForwardingSession, deadline_exceeded
+from stagemesh.router.prefill_window import chunks
 from stagemesh.router.repair_fallback import failed_reason, fall_back, reason_of
+from stagemesh.router.session import ChainSession
 from stagemesh.router.session_mux import REROUTED, mux_of
 from stagemesh.router.step_values import StepResult
 from stagemesh.v1 import stage_pb2, tensor_pb2
@@ -53,65 +56,77 @@ def replacement(chains: ChainSet, session: ChainSession, index: int) -> StageEnd
     return None
 
 
-def _chunks(start: int, end: int, size: int) -> list[tuple[int, int]]:
-    size = size or max(1, end - start)
-    return [(a, min(end, a + size)) for a in range(start, end, size)]
-
-
 async def repair(session: ChainSession, stage: StageEndpoint, history: list[int], chunk: int,
                  return_logits: bool = False) -> StepResult:
-    """Puts `stage` in place of the session's failed stage, rebuilds it, and finishes the step that failed:
-    history is every token the session has been fed, the failed step's included; the answer is the last
-    stage's for its end (the next token)."""
-    index, reached = session.failed_stage, session.reached
-    n = len(session.chain.stages)
-    target = max(p for j, p in enumerate(reached) if j != index)  # where the stages before it stand
-    after = reached[index + 1] if index + 1 < n else target  # where the stages after it stand
-    dead = session.chain.stages[index]
-    session._streams[index].cancel()
-    session._opened = [s for s in session._opened if s is not dead]
-    background(session._close_sessions([dead.stub]))  # a hung stage may still hold it
+    """Puts `stage` in place of the session's failed stage, rebuilds it, rewinds and re-points the chain, and
+    finishes the step that failed: history is every token the session has been fed, the failed step's included;
+    the answer is the last stage's for its end (the next token)."""
+    index, n, position = session.failed_stage, len(session.chain.stages), session.position
+    sid = session.session_id
+    session.muxes[index].close(sid)  # a hung stage may still hold it
     stages = list(session.chain.stages)
     stages[index] = stage
     session.chain = dataclasses.replace(session.chain, stages=stages, chain_id=f"{session.chain.chain_id}~repaired")
-    await session._open(index)
-    session._streams[index] = session._stream(stage)
-    sampling = session.sampling
+    if index:
+        session.hop_keys[index] = secrets.token_hex(16)
+    mux = session.muxes[index] = mux_of(stage)
+    opening = session.open_request(index)
+    opening.ClearField("next_address")  # rebuilt on its own: nothing goes on to the next stage yet
+    opening.ClearField("next_key")
+    if session.attached:  # the session started from the prefix caches: the new stage's may hold its start too
+        opening.prefix_ids.extend(history[:position])
+        opening.prefix_salt = session.prefix_salt(index)
+    mux.open(opening, session.inbox, index)
+    await session.wait_for(index, None, 1, "to the repair's OpenSession")
+    cached = mux.cached.pop(sid, 0)
+    recompute = cached < position and index > 0 and session.attached > 0
+    if recompute:  # the stages before logged nothing of the positions they attached: they compute them again
+        await _recompute(session, index, history, cached, position, chunk)
+    else:
+        async for start, _end, tensor in _inputs(session, index, history, cached, position, chunk):
+            request = stage_pb2.ForwardRequest(session_id=sid, start=start, skip_sample=True)
+            (request.token_ids if index == 0 else request.hidden).CopyFrom(tensor)
+            mux.send(request)
+    for j in sorted(range(n), key=lambda j: j != index):  # the new stage first: once it holds every position
+        target = session.muxes[j]
+        if j + 1 == index:
+            target.reroute(sid, position, stage.address, session.hop_keys[index])
+        elif j == index and j + 1 < n:
+            target.reroute(sid, position, stages[j + 1].address, session.hop_keys[j + 1], wait=recompute)
+        else:
+            target.reroute(sid, position, wait=recompute and j == index)
+        await session.wait_for(j, REROUTED, position if j == index else 1, "while repairing the chain; replaying")
+    while not session.inbox.empty():  # what the failed step left (a token that came after the fault)
+        session.inbox.get_nowait()
+    return await session.step(history[position:], sampling=session.sampling, chunk_size=chunk,
+                              return_logits=return_logits)
 
-    def request(i: int, start: int, end: int, tensor: tensor_pb2.Tensor) -> stage_pb2.ForwardRequest:
-        return session._request(i, start, tensor, sampling, end == len(history), return_logits)
 
-    # The new stage: every position the stages before it hold; its output of the positions the stages
-    # after it lack goes on to them (chunk bounds at `after`, so that those outputs are whole messages).
-    onward: list[tuple[int, int, tensor_pb2.Tensor]] = []
-    response = None
-    for lo, hi in ((0, after), (after, target)):
-        async for start, end, tensor in _inputs(session, index, history, lo, hi, chunk):
-            response = await session._exchange(index, request(index, start, end, tensor), end - start)
-            if start >= after:
-                onward.append((start, end, response.hidden))
-    for i in range(index + 1, n):
-        sent, onward = onward, []
-        for start, end, tensor in sent:
-            response = await session._exchange(i, request(i, start, end, tensor), end - start)
-            onward.append((start, end, response.hidden))
-    session.position = target
-    session.reached = [target] * n
-    if target < len(history):  # the stage before it had not taken the whole step: the rest goes through as one
-        return await session.step(history[target:], sampling=sampling, chunk_size=chunk, return_logits=return_logits)
-    if reached[-1] >= target or response is None or not response.HasField("token_id"):
-        raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                   details="the step's token was lost with the failed stage; replaying")
-    return StepResult.from_pb(response)
+async def _recompute(session: ChainSession, index: int, history: list[int], start: int, end: int,
+                     chunk: int) -> None:
+    """Positions start..end-1 computed again by the stages before `index` (rewound to start; the one just before
+    it pointed at it) from their token ids: the inputs of stage `index`, which holds positions 0..start-1."""
+    sid = session.session_id
+    for j in range(index):
+        target = session.muxes[j]
+        if j + 1 == index:
+            target.reroute(sid, start, session.chain.stages[index].address, session.hop_keys[index])
+        else:
+            target.reroute(sid, start)
+        await session.wait_for(j, REROUTED, 1, "while repairing the chain; replaying")
+    first = session.muxes[0]
+    for a, b in chunks(start, end, chunk):
+        first.step(sid, a, history[a:b]).skip_sample = True
 
 
-async def _inputs(session: ChainSession, index: int, history: list[int], start: int, end: int, chunk: int):
+async def _inputs(session: ChainSession, index: int, history: list[int], start: int, end: int,
+                  chunk: int) -> AsyncIterator[tuple[int, int, tensor_pb2.Tensor]]:
     """(start, end, tensor) of stage index's inputs for positions start..end-1, chunk by chunk: token ids for a
     first stage, else what the previous stage logged."""
     if start >= end:
         return
     if index == 0:
-        for a, b in _chunks(start, end, chunk):
+        for a, b in chunks(start, end, chunk):
             yield a, b, encode_ids(history[a:b])
         return
     previous = session.chain.stages[index - 1]
@@ -123,82 +138,13 @@ async def _inputs(session: ChainSession, index: int, history: list[int], start: 
         yield piece.start, piece.start + rows, piece.hidden
 
 
-async def forwarding_repair(session: ForwardingSession, stage: StageEndpoint, history: list[int], chunk: int,
-                            return_logits: bool = False) -> StepResult:
-    """repair() for a forwarding session: `stage` opened in place of the failed one, answering on its own
-    stream while it is rebuilt (positions 0..position-1 of the stage before it, or token ids); then, in chain
-    order, each stage rewound to the position before the failed step (what it took of that step is dropped) and
-    the new stage and the one before it pointed at their next; then the failed step goes again from the router."""
-    index, n, position = session.failed_stage, len(session.chain.stages), session.position
-    sid = session.session_id
-    session._muxes[index].close(sid)  # a hung stage may still hold it
-    stages = list(session.chain.stages)
-    stages[index] = stage
-    session.chain = dataclasses.replace(session.chain, stages=stages, chain_id=f"{session.chain.chain_id}~repaired")
-    if index:
-        session.hop_keys[index] = secrets.token_hex(16)
-    mux = session._muxes[index] = mux_of(stage)
-    opening = session._open_request(index)
-    opening.ClearField("next_address")  # rebuilt on its own: nothing goes on to the next stage yet
-    opening.ClearField("next_key")
-    mux.open(opening, session._inbox, index)
-    await _answer(session, index, None, 1)
-    async for start, _end, tensor in _inputs(session, index, history, 0, position, chunk):
-        request = stage_pb2.ForwardRequest(session_id=sid, start=start, skip_sample=True)
-        (request.token_ids if index == 0 else request.hidden).CopyFrom(tensor)
-        mux.send(request)
-    for j, target in enumerate(session._muxes):
-        if j + 1 == index:
-            target.reroute(sid, position, stage.address, session.hop_keys[index])
-        elif j == index and j + 1 < n:
-            target.reroute(sid, position, stages[j + 1].address, session.hop_keys[j + 1])
-        else:
-            target.reroute(sid, position)
-        await _answer(session, j, REROUTED, position if j == index else 1)
-    while not session._inbox.empty():  # what the failed step left (a token that came after the fault)
-        session._inbox.get_nowait()
-    return await session.step(history[position:], sampling=session.sampling, chunk_size=chunk,
-                              return_logits=return_logits)
-
-
-async def _answer(session: ForwardingSession, index: int, wanted: object, tokens: int) -> None:
-    """Waits for stage index's `wanted` (None: opened) in the session's inbox; a fault there is raised, what the
-    failed step left is passed over."""
-    limit, timeout = session.progress.timeout(session.chain, max(1, tokens)), session._timeout()
-    try:
-        async with asyncio.timeout(limit if timeout is None else min(limit, timeout)):
-            while True:
-                at, item = await session._inbox.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if at == index and item is wanted:
-                    return
-    except TimeoutError:
-        if timeout is not None and timeout <= limit:
-            raise deadline_exceeded() from None
-        raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                   details=f"stage {session.chain.stages[index].address}: no answer while "
-                                           "repairing the chain; replaying") from None
-
-
 def possible(session: ChainSession, exc: grpc.aio.AioRpcError) -> str:
     """Why the session cannot be repaired after exc ("" when it can)."""
     if exc.code() not in REPAIRABLE:
         return f"a {exc.code().name} is not the stage's own fault"
-    if session.attached and session.failed_stage:
-        return "its first positions came from the stages' prefix caches, which log no output to rebuild from"
-    if isinstance(session, ForwardingSession):
-        if session.failed_stage is None:
-            return "the fault names no stage"
-        return "" if session.keep_output else "the stages keep no output logs"
-    index, reached = session.failed_stage, session.reached
-    if index is None or reached is None or len(session.chain.stages) < 2:
-        return "where each stage stands is not known"
-    if any(reached[j] != reached[0] for j in range(index)) or len(set(reached[index + 1:])) > 1:
-        return "the stages stand at different positions"
-    if not session.keep_output and index > 0:
-        return "the stages keep no output logs"
-    return ""
+    if session.failed_stage is None:
+        return "the fault names no stage"
+    return "" if session.keep_output else "the stages keep no output logs"
 
 
 class Repairs:
@@ -222,18 +168,24 @@ class Repairs:
         for chain in self.chains.usable():
             if dead.address in {s.address for s in chain.stages}:
                 self.chains.mark_down(chain, f"{exc.code().name}: {exc.details()}")
-        rebuilt = max(session.reached)
         log.warning(f"stage {dead.address}[{dead.layer_start}:{dead.layer_end}] failed ({exc.code().name}: "
-                    f"{exc.details()}); repairing: {stage.address} takes its place, rebuilt from {rebuilt} positions "
-                    f"of {'token ids' if session.failed_stage == 0 else 'the previous stage output log'}",
+                    f"{exc.details()}); repairing: {stage.address} takes its place, rebuilt from {session.position} "
+                    f"positions of {_source(session)}",
                     extra=self.log_extra)
         metrics.REPAIRS.inc()
         try:
-            if isinstance(session, ForwardingSession):
-                return await forwarding_repair(session, stage, history, chunk)
             return await repair(session, stage, history, chunk)
         except grpc.aio.AioRpcError as failed:
             if failed.code() != grpc.StatusCode.DEADLINE_EXCEEDED:  # the request ends there: nothing is replayed
                 fall_back(failed_reason(failed), f"the repair failed ({failed.code().name}: {failed.details()})",
                           self.log_extra)
             raise
+
+
+def _source(session: ChainSession) -> str:
+    """What the failed stage's replacement is rebuilt from (repair())."""
+    if session.failed_stage == 0:
+        return "token ids"
+    if session.attached:
+        return "its prefix cache, else recomputed by the stages before it"
+    return "the previous stage's output log"

@@ -15,11 +15,8 @@ log = logging.getLogger("stagemesh.router")
 REASONS = (
     ("repair is off", "repair_off"),
     ("not the stage's own fault", "not_stage_fault"),
-    ("prefix caches", "prefix_cached"),
     ("keep no output logs", "not_kept"),
-    ("names no stage", "position_unknown"),
-    ("stands is not known", "position_unknown"),
-    ("different positions", "position_unknown"),
+    ("names no stage", "no_stage_named"),
     ("no other stage serves", "no_replacement"),
 )
 """repair.possible()'s answers (and Repairs.step's own) by the reason label they count under: a bounded set."""

@@ -246,8 +246,7 @@ class RouterServer:
             self.chains.accepted = read_accepted_digests(config.accept_fingerprints)
         for chain in self.chains.chains:
             chain.healthy = False  # until the first health check passes
-        self.prober = ChainProber(self.chains, config.probe, config.generation.forwarding,
-                                  config.generation.wire_dtype)
+        self.prober = ChainProber(self.chains, config.probe, config.generation.wire_dtype)
         self.admission = PriorityAdmission(config.admission, lambda: len(self.chains.usable()))
         self.service = RouterService(
             self.chains, tokenizer, model_config, eos_token_ids(config.model, tokenizer, model_config),

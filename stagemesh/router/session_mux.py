@@ -1,4 +1,4 @@
-"""The router's one Stage/Sessions stream per stage: every forwarding session it runs there, its opens,
+"""The router's one Stage/Sessions stream per stage: every session it runs there, its opens,
 steps and closes batched into one message per turn of the event loop, and the stage's answers (opened,
 tokens, faults) handed to each session's inbox. A request costs no call of its own on any stage.
 
@@ -31,7 +31,7 @@ nothing, and a stream that only opens and closes sessions (every stage but the f
 Inbox = asyncio.Queue
 """A session's: (stage index, None: opened | ForwardResponse | REROUTED | grpc.aio.AioRpcError: its fault there)."""
 REROUTED = "rerouted"
-"""In an inbox: the stage rerouted the session (router/repair.py forwarding_repair)."""
+"""In an inbox: the stage rerouted the session (router/repair.py)."""
 
 
 class StageMux:
@@ -80,10 +80,12 @@ class StageMux:
         """Queues a step built by the caller (a repair's rebuild: hidden states)."""
         self._room(request.ByteSize()).steps.append(request)
 
-    def reroute(self, session_id: str, position: int, next_address: str = "", next_key: str = "") -> None:
-        """Rewinds the session here to position and re-points it (answered REROUTED in its inbox)."""
+    def reroute(self, session_id: str, position: int, next_address: str = "", next_key: str = "",
+                wait: bool = False) -> None:
+        """Rewinds the session here to position and re-points it (answered REROUTED in its inbox); wait: once it
+        holds position positions (steps on their way from the previous stage)."""
         self._room(len(next_address) + 96).reroute.add(session_id=session_id, position=position,
-                                                       next_address=next_address, next_key=next_key)
+                                                       next_address=next_address, next_key=next_key, wait=wait)
 
     def close(self, session_id: str) -> None:
         """Closes a session here (nothing more reaches its inbox). The stage closes it anyway if the stream

@@ -71,12 +71,12 @@ class BatcherConfig:
 
 
 STEP_HEADROOM_BYTES = 1 << 20
-"""Room in a Forward message besides its hidden states: framing, ids, sampling, a row scale per token."""
+"""Room in a step message besides its hidden states: framing, ids, sampling, a row scale per token."""
 
 
 def max_step_bytes(max_batch_tokens: int, hidden_size: int) -> int:
-    """The largest Forward message a stage accepts: a whole pass's hidden states in float32 (the widest
-    wire dtype) and headroom. Routers send no larger chunk; anything larger is refused by gRPC
+    """The largest message (a Sessions or Relay batch's step) a stage accepts: a whole pass's hidden states in
+    float32 (the widest wire dtype) and headroom. Routers send no larger chunk; anything larger is refused by gRPC
     (RESOURCE_EXHAUSTED) from its length prefix, before it is buffered."""
     return max_batch_tokens * hidden_size * 4 + STEP_HEADROOM_BYTES
 

@@ -58,8 +58,6 @@ class StageSlot(stage_pb2_grpc.StageServicer):
         self.current: StageService | None = None
         self.draining = False
         """Stopping: no new session; the open streams go on until they end or the drain timeout cuts them."""
-        self.streams = 0
-        """Forward streams whose handlers are running."""
 
     def _service(self) -> StageService:
         if self.current is None:
@@ -79,25 +77,14 @@ class StageSlot(stage_pb2_grpc.StageServicer):
     async def CloseSession(self, request, context):
         return await self._service().CloseSession(request, context)
 
-    async def Forward(self, request_iterator, context):
-        self.streams += 1
-        try:
-            # Closed with this stream, not when collected: the service's Forward closes its sessions then.
-            async with contextlib.aclosing(self._service().Forward(request_iterator, context)) as responses:
-                async for response in responses:
-                    yield response
-        finally:
-            self.streams -= 1
-
     async def Relay(self, request_iterator, context):
-        # Not counted in `streams`: a neighbour's link lives as long as both stages; draining waits for
-        # the sessions on it instead.
+        # A neighbour's link lives as long as both stages; draining waits for the sessions on it instead.
         async with contextlib.aclosing(self._service().Relay(request_iterator, context)) as statuses:
             async for status in statuses:
                 yield status
 
     async def Sessions(self, request_iterator, context):
-        # Not counted in `streams` (it lives as long as its router); draining waits for its sessions instead.
+        # It lives as long as its router; draining waits for its sessions instead.
         async with contextlib.aclosing(self._service().Sessions(request_iterator, context, self._admit)) as events:
             async for batch in events:
                 yield batch
@@ -349,10 +336,10 @@ class StageServer:
     async def _drain(self, timeout: float) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        while (self.slot.streams or (self.sessions and len(self.sessions))) and loop.time() < deadline:
+        while self.sessions and len(self.sessions) and loop.time() < deadline:
             await asyncio.sleep(0.02)
-        if self.slot.streams:
-            log.warning(f"drain timeout: cutting {self.slot.streams} stream(s) still open after {timeout:g}s",
+        if self.sessions and len(self.sessions):
+            log.warning(f"drain timeout: cutting {len(self.sessions)} session(s) still open after {timeout:g}s",
                         extra={"stage": self.address})
 
     async def _reap_idle(self) -> None:

@@ -106,7 +106,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., suppress_ids: _Optional[_Iterable[int]] = ..., suppress_until: _Optional[int] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("session_id", "start", "token_ids", "hidden", "sampling", "return_logits", "skip_sample", "wire_dtype", "follow", "hop_key", "ack")
+    __slots__ = ("session_id", "start", "token_ids", "hidden", "sampling", "return_logits", "skip_sample", "wire_dtype", "hop_key", "ack")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -115,7 +115,6 @@ class ForwardRequest(_message.Message):
     RETURN_LOGITS_FIELD_NUMBER: _ClassVar[int]
     SKIP_SAMPLE_FIELD_NUMBER: _ClassVar[int]
     WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
-    FOLLOW_FIELD_NUMBER: _ClassVar[int]
     HOP_KEY_FIELD_NUMBER: _ClassVar[int]
     ACK_FIELD_NUMBER: _ClassVar[int]
     session_id: str
@@ -126,10 +125,9 @@ class ForwardRequest(_message.Message):
     return_logits: bool
     skip_sample: bool
     wire_dtype: str
-    follow: bool
     hop_key: str
     ack: bool
-    def __init__(self, session_id: _Optional[str] = ..., start: _Optional[int] = ..., token_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., hidden: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., return_logits: _Optional[bool] = ..., skip_sample: _Optional[bool] = ..., wire_dtype: _Optional[str] = ..., follow: _Optional[bool] = ..., hop_key: _Optional[str] = ..., ack: _Optional[bool] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., start: _Optional[int] = ..., token_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., hidden: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., return_logits: _Optional[bool] = ..., skip_sample: _Optional[bool] = ..., wire_dtype: _Optional[str] = ..., hop_key: _Optional[str] = ..., ack: _Optional[bool] = ...) -> None: ...
 
 class RelayBatch(_message.Message):
     __slots__ = ("steps",)
@@ -148,9 +146,8 @@ class RelayStatus(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., code: _Optional[int] = ..., details: _Optional[str] = ...) -> None: ...
 
 class ForwardResponse(_message.Message):
-    __slots__ = ("session_id", "hidden", "token_id", "logits", "logprob", "top_token_ids", "top_logprobs", "ack")
+    __slots__ = ("session_id", "token_id", "logits", "logprob", "top_token_ids", "top_logprobs", "ack")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
-    HIDDEN_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGITS_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
@@ -158,14 +155,13 @@ class ForwardResponse(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     ACK_FIELD_NUMBER: _ClassVar[int]
     session_id: str
-    hidden: _tensor_pb2.Tensor
     token_id: int
     logits: _tensor_pb2.Tensor
     logprob: float
     top_token_ids: _containers.RepeatedScalarFieldContainer[int]
     top_logprobs: _containers.RepeatedScalarFieldContainer[float]
     ack: bool
-    def __init__(self, session_id: _Optional[str] = ..., hidden: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., token_id: _Optional[int] = ..., logits: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., ack: _Optional[bool] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logits: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., ack: _Optional[bool] = ...) -> None: ...
 
 class ReadOutputRequest(_message.Message):
     __slots__ = ("session_id", "start", "end", "chunk_tokens")
@@ -200,16 +196,18 @@ class SessionBatch(_message.Message):
     def __init__(self, opens: _Optional[_Iterable[_Union[OpenSessionRequest, _Mapping]]] = ..., steps: _Optional[_Iterable[_Union[ForwardRequest, _Mapping]]] = ..., close: _Optional[_Iterable[str]] = ..., reroute: _Optional[_Iterable[_Union[Reroute, _Mapping]]] = ...) -> None: ...
 
 class Reroute(_message.Message):
-    __slots__ = ("session_id", "position", "next_address", "next_key")
+    __slots__ = ("session_id", "position", "next_address", "next_key", "wait")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
     NEXT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NEXT_KEY_FIELD_NUMBER: _ClassVar[int]
+    WAIT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     position: int
     next_address: str
     next_key: str
-    def __init__(self, session_id: _Optional[str] = ..., position: _Optional[int] = ..., next_address: _Optional[str] = ..., next_key: _Optional[str] = ...) -> None: ...
+    wait: bool
+    def __init__(self, session_id: _Optional[str] = ..., position: _Optional[int] = ..., next_address: _Optional[str] = ..., next_key: _Optional[str] = ..., wait: _Optional[bool] = ...) -> None: ...
 
 class SessionEvents(_message.Message):
     __slots__ = ("opened", "results", "faults", "rerouted", "cached_positions")

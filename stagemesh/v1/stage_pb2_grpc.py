@@ -30,18 +30,15 @@ class StageStub:
     decoder layers; the first stage also the embeddings, the last the final norm,
     the LM head and sampling. Routers (and tests) drive it one step at a time.
 
-    Two data paths. Relay (a session opened without next_address): every step goes router -> stage
-    -> router, and the router carries hidden states from stage to stage. Forwarding (routers'
-    --forwarding): the router opens every stage's session naming its next stage (next_address) and a hop
-    key; it sends token ids to the first stage only, each stage sends its output hidden states
-    straight to the next over Relay (one long-lived stream per neighbour, many sessions on it), and
-    the last stage answers the sampled token to the router. Routers carry all of it on Sessions (one
-    long-lived stream per router and stage, many sessions on it): opens, steps and closes one way,
-    opened, tokens and per-session faults (naming the stage, or its unreachable next stage) the other.
-    (Forward with a `follow` request attaches one session's results and fault to a Forward stream
-    instead: the stream then ends with the session's fault.)
+    One data path (forwarding): the router opens every stage's session on its Sessions stream (one
+    long-lived stream per router and stage, many sessions on it), naming each stage's next stage
+    (next_address) and a hop key; it sends token ids to the first stage only, each stage sends its output
+    hidden states straight to the next over Relay (one long-lived stream per neighbour, many sessions on
+    it), and the last stage answers the sampled token to the router on its Sessions stream. Sessions
+    carries opens, steps and closes one way, opened, tokens and per-session faults (naming the stage, or
+    its unreachable next stage) the other.
 
-    Who may step a session: its opener, on a Forward stream of the connection that opened it; and,
+    Who may step a session: its opener, on a Sessions stream of the connection that opened it; and,
     for a session opened with an upstream_key, whoever presents that key on Relay (the previous stage,
     told the key by the router when its own session was opened). Keys are 128 random bits the router
     draws per session and hop, never logged and never the session id; with --tls every connection,
@@ -63,11 +60,6 @@ class StageStub:
                 '/stagemesh.v1.Stage/CloseSession',
                 request_serializer=stagemesh_dot_v1_dot_stage__pb2.CloseSessionRequest.SerializeToString,
                 response_deserializer=stagemesh_dot_v1_dot_stage__pb2.CloseSessionResponse.FromString,
-                _registered_method=True)
-        self.Forward = channel.stream_stream(
-                '/stagemesh.v1.Stage/Forward',
-                request_serializer=stagemesh_dot_v1_dot_stage__pb2.ForwardRequest.SerializeToString,
-                response_deserializer=stagemesh_dot_v1_dot_stage__pb2.ForwardResponse.FromString,
                 _registered_method=True)
         self.Relay = channel.stream_stream(
                 '/stagemesh.v1.Stage/Relay',
@@ -96,18 +88,15 @@ class StageServicer:
     decoder layers; the first stage also the embeddings, the last the final norm,
     the LM head and sampling. Routers (and tests) drive it one step at a time.
 
-    Two data paths. Relay (a session opened without next_address): every step goes router -> stage
-    -> router, and the router carries hidden states from stage to stage. Forwarding (routers'
-    --forwarding): the router opens every stage's session naming its next stage (next_address) and a hop
-    key; it sends token ids to the first stage only, each stage sends its output hidden states
-    straight to the next over Relay (one long-lived stream per neighbour, many sessions on it), and
-    the last stage answers the sampled token to the router. Routers carry all of it on Sessions (one
-    long-lived stream per router and stage, many sessions on it): opens, steps and closes one way,
-    opened, tokens and per-session faults (naming the stage, or its unreachable next stage) the other.
-    (Forward with a `follow` request attaches one session's results and fault to a Forward stream
-    instead: the stream then ends with the session's fault.)
+    One data path (forwarding): the router opens every stage's session on its Sessions stream (one
+    long-lived stream per router and stage, many sessions on it), naming each stage's next stage
+    (next_address) and a hop key; it sends token ids to the first stage only, each stage sends its output
+    hidden states straight to the next over Relay (one long-lived stream per neighbour, many sessions on
+    it), and the last stage answers the sampled token to the router on its Sessions stream. Sessions
+    carries opens, steps and closes one way, opened, tokens and per-session faults (naming the stage, or
+    its unreachable next stage) the other.
 
-    Who may step a session: its opener, on a Forward stream of the connection that opened it; and,
+    Who may step a session: its opener, on a Sessions stream of the connection that opened it; and,
     for a session opened with an upstream_key, whoever presents that key on Relay (the previous stage,
     told the key by the router when its own session was opened). Keys are 128 random bits the router
     draws per session and hop, never logged and never the session id; with --tls every connection,
@@ -131,22 +120,11 @@ class StageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Forward(self, request_iterator, context):
-        """Forward steps of open sessions, answered in order. Sessions stepped on a stream
-        are closed when that stream ends, so a vanished caller never leaks a cache. A step of a
-        session opened on another connection is NOT_FOUND. Messages larger than a whole pass's
-        hidden states in float32 (--max-batch-tokens x hidden size x 4 bytes, plus 1 MiB) are
-        RESOURCE_EXHAUSTED.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def Relay(self, request_iterator, context):
         """Forwarding between stages: the previous stage sends the steps of the sessions it forwards here
         (hidden states, each with its hop_key), and one stream carries every session between two
         neighbours, each message the steps it had queued (a pass's outputs travel as one message). Nothing is answered for a step that is taken: its result goes on to this stage's next
-        stage, or (last stage) to the router's Forward stream that follows the session. A message refused
+        stage, or (last stage) to the router's Sessions stream that opened the session. A message refused
         (unknown session or wrong key: NOT_FOUND; ill-formed: INVALID_ARGUMENT) is answered with a
         RelayStatus and the stream goes on, so one bad message never costs another session. When the
         stream ends, the sessions stepped on it are closed and their routers told (UNAVAILABLE).
@@ -161,7 +139,9 @@ class StageServicer:
         sessions on it (each answered `opened` or with a fault), sends the first stage's steps, and closes
         sessions; the stage answers the last stage's tokens (and logits) and each session's fault. A
         session opened or stepped here belongs to this stream: only this connection may step it, and it is
-        closed when the stream ends. A fault (a bad step: INVALID_ARGUMENT; another connection's session:
+        closed when the stream ends, so a vanished router never leaks a cache. Messages larger than a whole
+        pass's hidden states in float32 (--max-batch-tokens x hidden size x 4 bytes, plus 1 MiB) end the
+        call RESOURCE_EXHAUSTED. A fault (a bad step: INVALID_ARGUMENT; another connection's session:
         NOT_FOUND; a full pool: RESOURCE_EXHAUSTED; its next stage unreachable: UNAVAILABLE) ends that
         session only, never the stream. The stream ends UNAVAILABLE when the stage stops or swaps its slice.
         """
@@ -201,11 +181,6 @@ def add_StageServicer_to_server(servicer, server):
                     request_deserializer=stagemesh_dot_v1_dot_stage__pb2.CloseSessionRequest.FromString,
                     response_serializer=stagemesh_dot_v1_dot_stage__pb2.CloseSessionResponse.SerializeToString,
             ),
-            'Forward': grpc.stream_stream_rpc_method_handler(
-                    servicer.Forward,
-                    request_deserializer=stagemesh_dot_v1_dot_stage__pb2.ForwardRequest.FromString,
-                    response_serializer=stagemesh_dot_v1_dot_stage__pb2.ForwardResponse.SerializeToString,
-            ),
             'Relay': grpc.stream_stream_rpc_method_handler(
                     servicer.Relay,
                     request_deserializer=stagemesh_dot_v1_dot_stage__pb2.RelayBatch.FromString,
@@ -239,18 +214,15 @@ class Stage:
     decoder layers; the first stage also the embeddings, the last the final norm,
     the LM head and sampling. Routers (and tests) drive it one step at a time.
 
-    Two data paths. Relay (a session opened without next_address): every step goes router -> stage
-    -> router, and the router carries hidden states from stage to stage. Forwarding (routers'
-    --forwarding): the router opens every stage's session naming its next stage (next_address) and a hop
-    key; it sends token ids to the first stage only, each stage sends its output hidden states
-    straight to the next over Relay (one long-lived stream per neighbour, many sessions on it), and
-    the last stage answers the sampled token to the router. Routers carry all of it on Sessions (one
-    long-lived stream per router and stage, many sessions on it): opens, steps and closes one way,
-    opened, tokens and per-session faults (naming the stage, or its unreachable next stage) the other.
-    (Forward with a `follow` request attaches one session's results and fault to a Forward stream
-    instead: the stream then ends with the session's fault.)
+    One data path (forwarding): the router opens every stage's session on its Sessions stream (one
+    long-lived stream per router and stage, many sessions on it), naming each stage's next stage
+    (next_address) and a hop key; it sends token ids to the first stage only, each stage sends its output
+    hidden states straight to the next over Relay (one long-lived stream per neighbour, many sessions on
+    it), and the last stage answers the sampled token to the router on its Sessions stream. Sessions
+    carries opens, steps and closes one way, opened, tokens and per-session faults (naming the stage, or
+    its unreachable next stage) the other.
 
-    Who may step a session: its opener, on a Forward stream of the connection that opened it; and,
+    Who may step a session: its opener, on a Sessions stream of the connection that opened it; and,
     for a session opened with an upstream_key, whoever presents that key on Relay (the previous stage,
     told the key by the router when its own session was opened). Keys are 128 random bits the router
     draws per session and hop, never logged and never the session id; with --tls every connection,
@@ -301,33 +273,6 @@ class Stage:
             '/stagemesh.v1.Stage/CloseSession',
             stagemesh_dot_v1_dot_stage__pb2.CloseSessionRequest.SerializeToString,
             stagemesh_dot_v1_dot_stage__pb2.CloseSessionResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Forward(request_iterator,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.stream_stream(
-            request_iterator,
-            target,
-            '/stagemesh.v1.Stage/Forward',
-            stagemesh_dot_v1_dot_stage__pb2.ForwardRequest.SerializeToString,
-            stagemesh_dot_v1_dot_stage__pb2.ForwardResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -8,7 +8,7 @@ import grpc
 
 def caller_of(context: grpc.aio.ServicerContext) -> str:
     """Who is calling, as far as session ownership goes: the caller's connection. A router's channel
-    to a stage is one connection, so its OpenSession, Forward and CloseSession calls share it; a
+    to a stage is one connection, so its OpenSession, Sessions and CloseSession calls share it; a
     session id seen elsewhere (a log, a capture) is of no use from any other connection."""
     return context.peer()
 

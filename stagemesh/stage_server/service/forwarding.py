@@ -25,17 +25,13 @@ from stagemesh.v1 import stage_pb2
 
 log = logging.getLogger("stagemesh.stage")
 
-FEED_END = object()
-"""Put on a feed when nothing more will come on it."""
-
-
 @dataclass
 class Route:
     """What a session was told at open (stage.proto OpenSessionRequest), and where its router hears
-    from it: the Forward stream that follows it (or steps it, on the first stage)."""
+    from it: the Sessions stream that opened it."""
 
     next_address: str = ""
-    """Where output hidden states go ("": answered on the Forward stream that sent the step)."""
+    """Where output hidden states go ("": nowhere; a last stage answers its token to the router)."""
     next_key: str = field(default="", repr=False)
     upstream_key: str = field(default="", repr=False)
     sampling: Sampling | None = None
@@ -47,11 +43,13 @@ class Route:
     feed: asyncio.Queue | None = field(default=None, repr=False)
     """The router's stream: results (ForwardResponse) and the session's fault (an exception) go here."""
     held: list = field(default_factory=list, repr=False)
-    """What came before a stream followed the session (a relayed step can outrun the router's follow)."""
+    """What came before the router's stream was attached."""
     order: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
     """Relayed steps run one at a time, in the order they came (asyncio's lock is first come, first served)."""
     pending: int = 0
     """The session's steps and reroutes taken off the wire whose tasks (in_order) have not ended."""
+    stepped: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+    """Set when a step of the session ran (or it closed): what a waiting Reroute (stage.proto's wait) waits on."""
 
     def in_order(self, work: Coroutine, running: set[asyncio.Task]) -> None:
         """Runs work, which takes `order` first, on a task of its own (kept in running while it runs)."""
@@ -77,7 +75,7 @@ class Route:
         self.held.clear()
 
     def deliver(self, item: object) -> None:
-        """A result or the fault, to the router's stream (held until one follows the session)."""
+        """A result or the fault, to the router's stream (held until one is attached)."""
         if self.feed is None:
             self.held.append(item)
         else:

@@ -2,8 +2,8 @@
 
 The router opens sessions on it, sends the first stage's steps and closes sessions; this stage answers
 each open, the last stage's tokens, and each session's fault, as they come, in messages holding whatever
-was queued. Per session it keeps Forward's guarantees: only this stream's connection steps it, its steps
-run in the order sent, and the stream's end closes it. A session's fault ends that session only."""
+was queued. Per session: only this stream's connection steps it, its steps run in the order sent, and
+the stream's end closes it. A session's fault ends that session only."""
 
 from __future__ import annotations
 
@@ -60,25 +60,26 @@ def end_streams(service: StageService) -> None:
 class _Feed:
     """A session's results and fault (Route.deliver), queued on its stream tagged with its id."""
 
-    __slots__ = ("stream", "session_id")
+    __slots__ = ("stream", "request_id", "session_id")
 
-    def __init__(self, stream: SessionStream, session_id: str):
-        self.stream, self.session_id = stream, session_id
+    def __init__(self, stream: SessionStream, session_id: str, request_id: str = ""):
+        self.stream, self.session_id, self.request_id = stream, session_id, request_id
 
     def put_nowait(self, item: object) -> None:
         self.stream.put(self.session_id, item)
 
 
-def status_of(exc: BaseException, codes: ErrorCodes, where: str) -> tuple[grpc.StatusCode, str]:
-    """A session's fault as its router hears it: a refusal's own code and text; a bug is INTERNAL,
-    logged, its text kept from the caller (as the stage's StatusInterceptor does for a whole call)."""
+def status_of(exc: BaseException, codes: ErrorCodes, where: str, request_id: str = "") -> tuple[grpc.StatusCode, str]:
+    """A session's fault as its router hears it: a refusal's own code and text; a bug is INTERNAL, logged with the
+    request id, its text kept from the caller (as the stage's StatusInterceptor does for a whole call)."""
     if isinstance(exc, StatusError):
         return exc.code, exc.message
     code = next((codes[cls] for cls in type(exc).__mro__ if cls in codes), None)
     if code is not None:
         return code, str(exc)
-    log.error(f"unexpected error in a session of {where}", exc_info=exc)
-    return grpc.StatusCode.INTERNAL, f"internal error in Stage/Sessions on {where}; the stage logged it"
+    log.error(f"unexpected error in a session of {where}", exc_info=exc, extra={"request_id": request_id})
+    return (grpc.StatusCode.INTERNAL,
+            f"internal error in Stage/Sessions on {where}; the stage logged it with request id {request_id}")
 
 
 class SessionStream:
@@ -153,7 +154,8 @@ class SessionStream:
         elif item is REROUTED:
             events.rerouted.append(session_id)
         elif isinstance(item, BaseException):
-            code, details = status_of(item, self.codes, self.service.address)
+            feed = self.feeds.get(session_id)
+            code, details = status_of(item, self.codes, self.service.address, feed.request_id if feed else "")
             events.faults.add(session_id=session_id, code=code.value[0], details=details)
         else:
             events.results.append(item)
@@ -191,7 +193,7 @@ class SessionStream:
         finally:
             if span is not None:
                 span.end()
-        feed = self.feeds[request.session_id] = _Feed(self, request.session_id)
+        feed = self.feeds[request.session_id] = _Feed(self, request.session_id, request.request_id)
         self.put(request.session_id, opened)
         self.service.sessions.sessions[request.session_id].route.attach(feed)
 
@@ -205,7 +207,7 @@ class SessionStream:
             return
         feed = self.feeds.get(session.session_id)
         if feed is None:  # opened with OpenSession, stepped here first
-            feed = self.feeds[session.session_id] = _Feed(self, session.session_id)
+            feed = self.feeds[session.session_id] = _Feed(self, session.session_id, session.request_id)
             session.route.attach(feed)
         try:
             check_inputs(service.model, request)
@@ -224,27 +226,37 @@ class SessionStream:
         session.route.in_order(self._rerouted(session, request), self.running)
 
     async def _rerouted(self, session, request: stage_pb2.Reroute) -> None:
+        route = session.route
+        while True:
+            async with route.order:  # after the steps queued before it (a lock's waiters go first come, first served)
+                if session.closed:
+                    return
+                if not (request.wait and session.cache.length < request.position):
+                    self._rewind(session, request)
+                    return
+                route.stepped.clear()
+            await route.stepped.wait()  # the steps on their way (relayed by the previous stage) run meanwhile
+
+    def _rewind(self, session, request: stage_pb2.Reroute) -> None:
+        """The session rewound to request.position and re-pointed, its order held: REROUTED, or its fault."""
         route, cache = session.route, session.cache
-        async with route.order:  # after the steps queued before it (a lock's waiters go first come, first served)
-            if session.closed:
-                return
-            if not 0 <= request.position <= cache.length:
-                self.service._fail(session.session_id, StatusError(
-                    grpc.StatusCode.FAILED_PRECONDITION, f"cannot rewind to position {request.position}: the "
-                    f"session holds positions 0..{cache.length - 1}"))
-                return
+        if not 0 <= request.position <= cache.length:
+            self.service._fail(session.session_id, StatusError(
+                grpc.StatusCode.FAILED_PRECONDITION, f"cannot rewind to position {request.position}: the "
+                f"session holds positions 0..{cache.length - 1}"))
+            return
+        try:
+            cache.pool.rewind(cache, request.position)  # attention reads positions < length: the rest is rewritten
+        except PoolExhausted as exc:
+            self.service._fail(session.session_id, exc)
+            return
+        if session.output is not None and not session.output.lost:
+            session.output.length = min(session.output.length, request.position)
+        if request.next_address:
             try:
-                cache.pool.rewind(cache, request.position)  # attention reads positions < length: the rest is rewritten
-            except PoolExhausted as exc:
+                self.service.links.check(request.next_address)
+            except StatusError as exc:
                 self.service._fail(session.session_id, exc)
                 return
-            if session.output is not None and not session.output.lost:
-                session.output.length = min(session.output.length, request.position)
-            if request.next_address:
-                try:
-                    self.service.links.check(request.next_address)
-                except StatusError as exc:
-                    self.service._fail(session.session_id, exc)
-                    return
-                route.next_address, route.next_key = request.next_address, request.next_key
+            route.next_address, route.next_key = request.next_address, request.next_key
         self.put(session.session_id, REROUTED)

@@ -138,6 +138,7 @@ class SessionTable:
             return False
         del self.sessions[session_id]
         session.closed = True
+        session.route.stepped.set()
         self.pool.release(session.cache)
         if session.output is not None:
             session.output.drop()

@@ -24,7 +24,7 @@ from stagemesh.stage_server.engine.step_inputs import decode_inputs, step_tokens
 from stagemesh.stage_server.service import relay_stream
 from stagemesh.stage_server.service.backpressure import Budget, QueueConfig, step_bytes
 from stagemesh.stage_server.service.callers import caller_of, prefix_domain
-from stagemesh.stage_server.service.forwarding import FEED_END, Links, Route
+from stagemesh.stage_server.service.forwarding import Links, Route
 from stagemesh.stage_server.service.output_log import readable
 from stagemesh.stage_server.service.sampling_params import add_logprobs, history_of, sampling_of, step_sampling
 from stagemesh.stage_server.service.session_stream import end_streams, serve
@@ -112,73 +112,6 @@ class StageService(stage_pb2_grpc.StageServicer):
             raise StatusError(grpc.StatusCode.NOT_FOUND, f"no open session {request.session_id!r}")
         return stage_pb2.CloseSessionResponse()
 
-    async def Forward(self, request_iterator, context):
-        caller = caller_of(context)
-        touched: set[str] = set()
-        feed: asyncio.Queue = asyncio.Queue()
-        requests = request_iterator.__aiter__()
-        reader = None
-        try:
-            # Relay mode: each step answered in turn, on this task.
-            async for request in requests:
-                if request.follow or self._forwards(request.session_id):
-                    reader = asyncio.get_running_loop().create_task(
-                        self._serve_routed(request, requests, caller, touched, feed))
-                    break
-                session = self.sessions.get(request.session_id, caller)  # only the opener's, else NOT_FOUND
-                touched.add(session.session_id)
-                yield await self._answer(request, session)
-            # Forwarding: what comes back on this stream (results, a fault) comes when it comes.
-            while reader is not None and (item := await feed.get()) is not FEED_END:
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            if reader is not None:
-                reader.cancel()
-            # The stream is the session's lifeline: when it ends (done, cancelled, caller gone),
-            # nothing will step these sessions again.
-            for sid in touched:
-                session = self.sessions.sessions.get(sid)
-                if session is not None and self.sessions.close(sid, caller):
-                    log.info("session closed with its stream", extra=self._extra(sid, session.request_id))
-
-    def _forwards(self, session_id: str) -> bool:
-        session = self.sessions.sessions.get(session_id)
-        return session is not None and session.route.forwards
-
-    async def _serve_routed(self, request, requests, caller: str, touched: set[str], feed: asyncio.Queue) -> None:
-        """The rest of a Forward stream that follows or forwards sessions: steps run in order; a step of a
-        forwarding session goes on to the next stage, any other is answered on the feed."""
-        try:
-            while request is not None:
-                session = self.sessions.get(request.session_id, caller)
-                touched.add(session.session_id)
-                if request.follow or session.route.forwards:
-                    session.route.attach(feed)
-                if request.follow:
-                    pass
-                elif session.route.forwards:
-                    _WIRE_IN.inc(request.ByteSize())
-                    await self.links.room(session.route.next_address)
-                    result, decode = await self._run(request, session)
-                    self._send_on(session, request, result, decode)
-                else:
-                    feed.put_nowait(await self._answer(request, session))
-                request = await anext(requests, None)
-        except Exception as exc:  # the stream's fault: its caller hears it
-            feed.put_nowait(exc)
-
-    async def _answer(self, request: stage_pb2.ForwardRequest, session: Session) -> stage_pb2.ForwardResponse:
-        """A step answered to its sender: hidden states, or the sampled token (and logits)."""
-        _WIRE_IN.inc(request.ByteSize())
-        result, decode = await self._run(request, session)
-        t0 = time.perf_counter()
-        response = self._response(session, result, request.wire_dtype)
-        _WIRE_OUT.inc(response.ByteSize())
-        self.batcher.timing.since("encode", t0, decode)
-        return response
-
     async def _run(self, request: stage_pb2.ForwardRequest, session: Session, inputs: torch.Tensor | None = None,
                    t0: float | None = None) -> tuple[StepResult, bool]:
         """Runs a step: its input decoded (unless already, from t0 on) and checked, then its pass. Times the wire
@@ -199,11 +132,11 @@ class StageService(stage_pb2_grpc.StageServicer):
 
     def _ran(self, request: stage_pb2.ForwardRequest, session: Session, result: StepResult, decode: bool) -> None:
         self.batcher.timing.decode_steps += decode
+        session.route.stepped.set()
 
-    def _response(self, session: Session, result: StepResult, wire_dtype: str = "") -> stage_pb2.ForwardResponse:
+    def _response(self, session: Session, result: StepResult) -> stage_pb2.ForwardResponse:
+        """The last stage's answer to its router: the sampled token (and logits)."""
         response = stage_pb2.ForwardResponse(session_id=session.session_id)
-        if result.hidden is not None:  # written in place: no second message, no CopyFrom
-            tensor_codec.encode_hidden_into(response.hidden, result.hidden, wire_dtype or session.route.wire_dtype)
         if result.token_id is not None:
             response.token_id = result.token_id
         add_logprobs(response, result.logprobs)
@@ -236,9 +169,9 @@ class StageService(stage_pb2_grpc.StageServicer):
         """A step relayed by the previous stage, or sent by a router on its Sessions stream (checked on arrival:
         step_inputs.check_inputs), run in its session's order on a task of its own (kept in running, counted in the
         stream's budget until it ends), decoded only then; its result goes on to the next stage (once its link has
-        room), or (last stage) to the router following the session. The lone session of a stage runs its decode step
-        at once, here, when the batcher would run it alone and inline anyway: the task, the queue, the future and two
-        loop turns cost ~0.1 ms a stage of a tiny model's ~1 ms step (measured)."""
+        room), or (last stage) to the router, on the Sessions stream that opened the session. The lone session of a
+        stage runs its decode step at once, here, when the batcher would run it alone and inline anyway: the task,
+        the queue, the future and two loop turns cost ~0.1 ms a stage of a tiny model's ~1 ms step (measured)."""
         route = session.route
         if step_tokens(request) == 1 and len(self.sessions) == 1 and not route.pending \
                 and self.batcher.can_run_now() and (not route.forwards or self.links.has_room(route.next_address)):
@@ -272,7 +205,7 @@ class StageService(stage_pb2_grpc.StageServicer):
 
     def _pass_on(self, session: Session, request: stage_pb2.ForwardRequest, result: StepResult,
                  decode: bool) -> None:
-        """A relayed step's result, to the next stage or (last stage) to the router following the session."""
+        """A relayed step's result, to the next stage or (last stage) to its router."""
         if session.route.forwards:
             self._send_on(session, request, result, decode)
         elif result.token_id is not None or result.logits is not None:
@@ -285,7 +218,7 @@ class StageService(stage_pb2_grpc.StageServicer):
             session.route.deliver(stage_pb2.ForwardResponse(session_id=session.session_id, ack=True))
 
     def _fail(self, session_id: str, exc: BaseException, link: bool = False) -> None:
-        """Ends a session here for its fault: its router hears it on the stream that follows it. A repairable
+        """Ends a session here for its fault: its router hears it on its Sessions stream. A repairable
         session outlives a broken link (link): its router hears the dead stage itself, and repairs or closes it."""
         session = self.sessions.sessions.get(session_id)
         if session is None or (link and session.route.repairable):
