@@ -21,6 +21,7 @@ torch.set_num_threads(2)
 
 from stagemesh import grpc_server, tensor_codec  # noqa: E402
 from stagemesh.router.chain_client import Chain, StageEndpoint  # noqa: E402
+from stagemesh.router.chain_probe import ChainProbeConfig  # noqa: E402
 from stagemesh.router.server import RouterConfig, RouterServer  # noqa: E402
 from stagemesh.router.session import ChainSession  # noqa: E402
 from stagemesh.router.step_values import Sampling  # noqa: E402
@@ -32,6 +33,8 @@ from stagemesh.tiny_model import make_tiny_model  # noqa: E402
 from stagemesh.v1 import router_pb2_grpc, stage_pb2, stage_pb2_grpc  # noqa: E402
 
 FAMILIES = ("llama", "mistral", "qwen2")
+NO_PROBES = ChainProbeConfig(probe_interval_s=0)
+"""The routers of tests that count stage work exactly: no end-to-end chain probes (router/chain_probe.py)."""
 NUM_LAYERS = 8
 
 
@@ -121,8 +124,11 @@ async def start_mesh(model: Path, chains: list[list[tuple[int, int]]], *, router
                 await servers[-1].start(servers[-1].load(start, end))
         if router:
             specs = [",".join(s.address for s in servers) for servers in mesh.stages]
+            # No end-to-end probes unless asked for: they are steps of their own, and tests count the stages'
+            # passes, tokens and sessions exactly (tests/test_chain_health.py tests the probes).
+            options = {"probe": NO_PROBES, **(router_options or {})}
             mesh.router = RouterServer(RouterConfig(model=str(model), chains=specs, port=0, health_interval_s=0.2,
-                                                    **(router_options or {})))
+                                                    **options))
             await mesh.router.start()
     except BaseException:
         await mesh.stop()  # a grpc.aio server left alive hangs the interpreter's exit, after the last test

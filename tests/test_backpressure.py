@@ -20,8 +20,8 @@ import torch
 from stagemesh import tensor_codec
 from stagemesh.launcher import LocalMesh, stage_env
 from stagemesh.router.chain_client import Chain, Progress, StageEndpoint
-from stagemesh.router.session import ChainSession
 from stagemesh.router.prefill_window import AHEAD_PER_STAGE
+from stagemesh.router.session import ChainSession
 from stagemesh.router.step_values import Sampling
 from stagemesh.stage_server.config import StageConfig
 from stagemesh.stage_server.server import StageServer

@@ -14,8 +14,8 @@ from stagemesh.checkpoint import model_fingerprint
 from stagemesh.router.chain_client import Progress
 from stagemesh.router.chain_probe import ChainProbeConfig
 from stagemesh.router.chains import ChainSet, parse_chain
-from stagemesh.router.session import ChainSession
 from stagemesh.router.generation import GenerationConfig
+from stagemesh.router.session import ChainSession
 from stagemesh.router.step_values import Sampling
 from tests.conftest import hf_greedy, splits, start_mesh, until
 from tests.harness.link_proxy import LinkProxy

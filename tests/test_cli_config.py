@@ -248,7 +248,7 @@ REFUSED = [
     (["certs", "d", "--days", "0"], "--days 0: must be >= 1"),
     (["router", *MINIMAL["router"], "--public-cert", "c.pem"], "give --public-cert and --public-key together"),
     (["router", *MINIMAL["router"], "--client-ca", "ca.pem"], "--client-ca needs TLS on the public port"),
-    (["stage", *MINIMAL["stage"], "--tls", "/nonexistent"], "ca.pem, mesh.pem, mesh-key.pem missing there"),
+    (["stage", *MINIMAL["stage"], "--tls", "/nonexistent"], "ca.pem, stage.pem, stage-key.pem missing there"),
 ]
 
 

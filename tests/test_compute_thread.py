@@ -14,7 +14,7 @@ from stagemesh.stage_server import server as server_module
 from stagemesh.stage_server.config import BatcherConfig, StageConfig
 from stagemesh.stage_server.engine.model import StageModel
 from stagemesh.stage_server.server import StageServer
-from tests.conftest import Mesh, collect
+from tests.conftest import NO_PROBES, Mesh, collect
 from tests.test_exactness import prompt
 from tests.test_traffic import request
 
@@ -45,7 +45,8 @@ async def test_a_two_thread_stage_loads_warms_up_and_runs_every_pass_on_its_comp
                                          kv_cache_gb=0.1))
         mesh.stages.append([server])
         await server.start(await server.in_compute(server.load, 0, 8))
-        mesh.router = RouterServer(RouterConfig(model=str(tiny_model), chains=[server.address], port=0))
+        mesh.router = RouterServer(RouterConfig(model=str(tiny_model), chains=[server.address], port=0,
+                                                probe=NO_PROBES))
         await mesh.router.start()
         ids, _, _ = await collect(mesh.router_stub.Generate(request([5, 6, 7, 8], 12)))
         assert len(ids) == 12
@@ -82,7 +83,8 @@ async def test_a_stage_serving_one_session_decodes_on_its_lone_session_threads(t
             batcher=BatcherConfig(lone_session_threads=2, inline_max_ms=0, batch_window_ms=2)))  # on the compute thread
         mesh.stages.append([server])
         await server.start(await server.in_compute(server.load, 0, 8))
-        mesh.router = RouterServer(RouterConfig(model=str(tiny_model), chains=[server.address], port=0))
+        mesh.router = RouterServer(RouterConfig(model=str(tiny_model), chains=[server.address], port=0,
+                                                probe=NO_PROBES))
         await mesh.router.start()
         first, second = prompt(9, seed=41), prompt(23, seed=42)
         passes.clear()  # the warm-up's

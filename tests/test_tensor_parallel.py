@@ -19,7 +19,7 @@ from stagemesh.stage_server.engine import tensor_parallel
 from stagemesh.stage_server.engine.tensor_parallel import check_tp, rank_args, shard_of
 from stagemesh.stage_server.server import StageServer
 from stagemesh.v1 import router_pb2, stage_pb2
-from tests.conftest import FAMILIES, Mesh, collect, hf_greedy, stepped_logits
+from tests.conftest import FAMILIES, NO_PROBES, Mesh, collect, hf_greedy, stepped_logits
 
 LAYOUTS = {  # (layer start, layer end, tp) per stage of the one chain
     "tp2": [(0, 8, 2)],
@@ -42,7 +42,7 @@ async def start_tp_mesh(model, layout: list[tuple[int, int, int]]) -> Mesh:
         for server, (start, end, _) in zip(servers, layout, strict=True):
             await server.start(await asyncio.to_thread(server.load, start, end))
         mesh.router = RouterServer(RouterConfig(model=str(model), chains=[",".join(s.address for s in servers)],
-                                                port=0, health_interval_s=0.2))
+                                                port=0, health_interval_s=0.2, probe=NO_PROBES))
         await mesh.router.start()
     except BaseException:
         await mesh.stop()  # a grpc.aio server left alive hangs the interpreter's exit, after the last test

@@ -424,8 +424,16 @@ def served_certificate(address: str, client: tls.Tls) -> x509.Certificate:
 
 
 def expiry_gauge(metrics_port: int, role: str) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as response:
-        text = response.read().decode()
+    """The gauge's value; the metrics port may open a moment after the hosted registry's (bounded wait)."""
+    for attempt in range(50):
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as response:
+                text = response.read().decode()
+            break
+        except urllib.error.URLError:
+            if attempt == 49:
+                raise
+            time.sleep(0.2)
     line = next(x for x in text.splitlines() if x.startswith(f'stagemesh_tls_cert_expiry_seconds{{role="{role}"}}'))
     return float(line.split()[-1])
 
