@@ -80,7 +80,9 @@ async def test_a_stage_serving_one_session_decodes_on_its_lone_session_threads(t
     try:
         server = StageServer(StageConfig(
             model=str(tiny_model), port=0, layer_start=0, layer_end=8, threads=1, kv_cache_gb=0.1,
-            batcher=BatcherConfig(lone_session_threads=2, inline_max_ms=0, batch_window_ms=2)))  # on the compute thread
+            # inline_max_ms=0: on the compute thread. A 30 ms window: the two sessions' steps meet in one pass (with
+            # 2 ms they could alternate, each alone in its pass, the other's step a round trip behind)
+            batcher=BatcherConfig(lone_session_threads=2, inline_max_ms=0, batch_window_ms=30)))
         mesh.stages.append([server])
         await server.start(await server.in_compute(server.load, 0, 8))
         mesh.router = RouterServer(RouterConfig(model=str(tiny_model), chains=[server.address], port=0,
