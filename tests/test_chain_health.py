@@ -11,6 +11,7 @@ import grpc
 
 from stagemesh import metrics
 from stagemesh.checkpoint import model_fingerprint
+from stagemesh.discovery.chain_table import PublishedChain, PublishedStage
 from stagemesh.router.chain_client import Progress
 from stagemesh.router.chain_probe import ChainProbeConfig
 from stagemesh.router.chains import ChainSet, parse_chain
@@ -47,6 +48,35 @@ async def test_a_check_in_flight_when_a_chain_fails_does_not_bring_it_back(tiny_
         for stage in chain.stages:
             await stage.close()
         link.stop()
+        await mesh.stop()
+
+
+async def test_a_chain_held_by_its_probe_stays_held_when_withdrawn_and_published_again(tiny_model):
+    """The scheduler withdraws a chain its probe holds down (a partition between its stages also cut their etcd
+    members apart) and publishes it again while the partition lasts: the same id is the same stages and ranges, so
+    the path between them is no less broken. It stays held (its stages' own checks pass) until a probe passes; it
+    did not: adopted afresh, its first check passed, and streams went to it until its probes failed again."""
+    mesh = await start_mesh(tiny_model, [splits(4, 4)], router=False)
+    published = PublishedChain(tuple(PublishedStage(f"s{i}", stage.address, a, b)
+                                     for i, (stage, (a, b)) in enumerate(zip(mesh.stages[0], splits(4, 4),
+                                                                             strict=True))))
+    chains = ChainSet([], 8, model_fingerprint(str(tiny_model)))
+    try:
+        await chains.adopt([published])
+        assert [c.healthy for c in chains.chains] == [True]
+        chains.hold(chains.chains[0], "its end-to-end probe failed 2 times in a row")
+        await chains.adopt([])  # withdrawn: no stream on it, so its channels close
+        assert not chains.chains
+        await chains.adopt([published])  # published again, the partition not healed
+        chain = chains.chains[0]
+        await chains.refresh()
+        assert not chain.healthy and chain.chain_id in chains.held, "a held chain came back without a probe"
+        assert "end-to-end probe" in chain.problem
+        chains.unhold(chain)  # a probe passed
+        await chains.refresh()
+        assert chain.healthy
+    finally:
+        await chains.close()
         await mesh.stop()
 
 

@@ -23,6 +23,9 @@ STAGE_SERVICE = stage_pb2.DESCRIPTOR.services_by_name["Stage"].full_name
 LATE_CHECKS_TO_DOWN = 2
 """Health checks in a row that get no answer in time before a chain is taken for down (an answer of
 NOT_SERVING, or a refused connection, takes it down at once)."""
+HOLDS_OF_WITHDRAWN = 64
+"""Probe holds kept for chains no table names now (the latest): one published again under its id (the same stages
+and ranges) stays held until a probe passes, and the number of ids a router remembers stays bounded."""
 
 
 SHORT, LONG = "short", "long"
@@ -87,7 +90,8 @@ class ChainSet:
         self.panic_threshold = panic_threshold
         self._published: dict[str, object] = {}  # each adopted chain's entry in the table that named it
         # Chains whose end-to-end probe fails (router/chain_probe.py), by id, with why: down, whatever their stages'
-        # own checks say, until a probe passes again (hold(), unhold()).
+        # own checks say, until a probe passes again (hold(), unhold()); kept while a table withdraws the chain
+        # (HOLDS_OF_WITHDRAWN).
         self.held: dict[str, str] = {}
 
     async def adopt(self, published) -> None:
@@ -100,8 +104,10 @@ class ChainSet:
         fresh = {p.chain_id: self._new_chain(p) for p in published if p.chain_id not in known}
         results = await asyncio.gather(*(self.check(c) for c in fresh.values()))
         for chain, result in zip(fresh.values(), results, strict=True):
-            chain.healthy = bool(result)
-            if chain.healthy:
+            chain.healthy = bool(result) and chain.chain_id not in self.held
+            if chain.chain_id in self.held:
+                chain.problem = self.held[chain.chain_id]
+            elif chain.healthy:
                 log.info(f"chain {chain.chain_id} ({chain.label}) is up", extra={"chain": chain.chain_id})
         published = list(published) + await self._kept_in_panic(published, fresh)
         self._published = {p.chain_id: p for p in published}
@@ -160,7 +166,9 @@ class ChainSet:
             new.append(chain)
         gone = [c for c in self.chains if c.chain_id not in wanted_ids]
         self.chains = new
-        self.held = {k: why for k, why in self.held.items() if k in wanted_ids or k in self._withdrawn}
+        unnamed = [k for k in self.held if k not in wanted_ids]
+        for chain_id in unnamed[:max(0, len(unnamed) - HOLDS_OF_WITHDRAWN)]:
+            del self.held[chain_id]
         for chain in gone:
             log.info(f"chain {chain.chain_id} ({chain.label}) withdrawn", extra={"chain": chain.chain_id})
             chain.withdrawn = True
