@@ -64,6 +64,15 @@ def reference(model_dir: str, prompts: list[list[int]], new_tokens: int) -> list
     return out
 
 
+def workload(args: argparse.Namespace) -> tuple[str, list[list[int]], list[list[int]]]:
+    """The checkpoint (--model, or a tiny random Llama made now), 16 seeded prompts and their greedy answers."""
+    model = args.model or str(make_tiny_model(Path(tempfile.mkdtemp(prefix="soak-")) / "tiny-llama", "llama"))
+    rng = random.Random(args.seed)
+    gen = torch.Generator().manual_seed(args.seed)
+    prompts = [torch.randint(4, 1000, (int(rng.uniform(4, 120)),), generator=gen).tolist() for _ in range(16)]
+    return model, prompts, reference(model, prompts, args.new_tokens)
+
+
 class Tally:
     def __init__(self) -> None:
         self.completed = 0
@@ -90,22 +99,19 @@ async def caller(stub, prompts, expected, tally: Tally, stop_at: float, rng: ran
             tally.mismatched += 1
 
 
-def rss_mib(pids: dict[str, int]) -> dict[str, float]:
-    out = {}
+def rss_mib(pids: dict[str, int | None]) -> dict[str, float | None]:
+    """Each process's resident memory; None for one that is down (no pid, or gone)."""
+    out: dict[str, float | None] = {}
     for name, pid in pids.items():
         try:
-            out[name] = round(psutil.Process(pid).memory_info().rss / 2**20, 1)
+            out[name] = None if pid is None else round(psutil.Process(pid).memory_info().rss / 2**20, 1)
         except psutil.Error:
             out[name] = None
     return out
 
 
 async def soak(args) -> dict:
-    model = args.model or str(make_tiny_model(Path(tempfile.mkdtemp(prefix="soak-")) / "tiny-llama", "llama"))
-    rng = random.Random(args.seed)
-    gen = torch.Generator().manual_seed(args.seed)
-    prompts = [torch.randint(4, 1000, (int(rng.uniform(4, 120)),), generator=gen).tolist() for _ in range(16)]
-    expected = reference(model, prompts, args.new_tokens)
+    model, prompts, expected = workload(args)
     log_dir = Path(tempfile.mkdtemp(prefix="soak-logs-"))
     mesh = FaultMesh(model, log_dir, num_layers=8, stage_args=("--kv-cache-gb", "0.05", "--stall-timeout-s", "10"),
                      router_args=("--health-interval-s", "0.5", "--step-timeout-s", "3"))
@@ -164,19 +170,29 @@ class NetnsSoak:
         self.tally, self.samples = Tally(), []
         self.chains_at: tuple[float, int] = (0.0, 0)
         """(time.time(), healthy chains) of the router's latest listing seen by the load."""
+        self.fewest_chains = 2
+        """The fewest healthy chains listed since the soak set it back to 2 (at each fault)."""
+        self.slowest_s = 0.0
         self.t0 = time.monotonic()
         self.next_report = self.t0
 
     def tick(self) -> None:
-        """Takes in the load's new records, and reports when one is due."""
+        """Takes in the load's new records."""
         for r in self.load.new_records():
             if r["kind"] == "chains":
                 self.chains_at = (r["t"], len(r["healthy"] or []))
-            elif r["error"]:
+                self.fewest_chains = min(self.fewest_chains, self.chains_at[1])
+                continue
+            self.slowest_s = max(self.slowest_s, r["end"] - r["start"])
+            if r["error"]:
                 self.tally.failed[r["error"].split(":")[0]] += 1
             else:
                 self.tally.completed += 1
                 self.tally.mismatched += r["tokens"] != self.expected[r["prompt"]]
+
+    def poll(self) -> None:
+        """tick(), and a report when one is due."""
+        self.tick()
         if time.monotonic() >= self.next_report:
             self.report()
             self.next_report += self.report_s
@@ -185,7 +201,8 @@ class NetnsSoak:
         pids = {**self.mesh.pids(), "load": self.load.popen.pid}
         sample = {"t_s": round(time.monotonic() - self.t0), "rss_mib": rss_mib(pids),
                   "healthy_chains": self.chains_at[1], "completed": self.tally.completed,
-                  "failed": dict(self.tally.failed), "mismatched": self.tally.mismatched}
+                  "failed": dict(self.tally.failed), "mismatched": self.tally.mismatched,
+                  "slowest_s": round(self.slowest_s, 1)}
         self.samples.append(sample)
         print(json.dumps(sample), flush=True)
         return sample
@@ -194,19 +211,43 @@ class NetnsSoak:
         """time.sleep that keeps the tally and the reports going."""
         end = time.monotonic() + seconds
         while (left := end - time.monotonic()) > 0:
-            self.tick()
+            self.poll()
             time.sleep(min(0.25, left))
 
     def chains_back(self, since: float, within_s: float) -> float | None:
         """Seconds until the router listed both chains healthy after `since` (time.time()); None if not within_s."""
         deadline = time.monotonic() + within_s
         while time.monotonic() < deadline:
-            self.tick()
+            self.poll()
             t, healthy = self.chains_at
             if t >= since and healthy == 2:
                 return round(t - since, 1)
             time.sleep(0.25)
         return None
+
+    def faults(self, seconds: float, every_s: float, hold_s: float) -> list[dict]:
+        """A fault every every_s for `seconds`, NETNS_FAULTS in turn (a stage's on a0, a1, b0, b1 in turn), each
+        followed by a wait of up to BACK_S for both chains to serve; what each did."""
+        done: list[dict] = []
+        stop_at = self.t0 + seconds
+        next_fault = self.t0 + every_s
+        while time.monotonic() < stop_at:
+            if time.monotonic() < next_fault:
+                self.sleep(min(next_fault, stop_at) - time.monotonic())
+                continue
+            n, at = len(done), time.monotonic()
+            fault, stage = NETNS_FAULTS[n % len(NETNS_FAULTS)], STAGES[(n // len(NETNS_FAULTS)) % len(STAGES)][0]
+            self.fewest_chains = 2
+            target = self.fault(fault, stage, hold_s)
+            back = self.chains_back(time.time(), BACK_S)
+            done.append({"at_s": round(at - self.t0), "fault": fault, "target": target,
+                         "fewest_chains": self.fewest_chains, "back_s": back})
+            print(json.dumps({"fault": done[-1]}), flush=True)
+            if back is None:
+                print(f"both chains not back within {BACK_S:.0f} s of the heal of {fault}", flush=True)
+            next_fault = max(next_fault + every_s, time.monotonic() + 1)
+        self.tick()
+        return done
 
     def fault(self, fault: str, stage: str, hold_s: float) -> str:
         """Injects one fault, holds it (the load going on), heals it; returns what it hit."""
@@ -254,49 +295,29 @@ class NetnsSoak:
         return stage
 
 
-def soak_netns(args) -> dict:
-    model = args.model or str(make_tiny_model(Path(tempfile.mkdtemp(prefix="soak-")) / "tiny-llama", "llama"))
-    rng = random.Random(args.seed)
-    gen = torch.Generator().manual_seed(args.seed)
-    prompts = [torch.randint(4, 1000, (int(rng.uniform(4, 120)),), generator=gen).tolist() for _ in range(16)]
-    expected = reference(model, prompts, args.new_tokens)
+def soak_netns(args: argparse.Namespace) -> dict:
+    model, prompts, expected = workload(args)
     workdir = Path(tempfile.mkdtemp(prefix="soak-netns-"))
     (workdir / "prompts.json").write_text(json.dumps(prompts))
-    faults_done: list[dict] = []
     with netns_mesh(model, workdir) as mesh:
         load = mesh.load(["--prompts", str(workdir / "prompts.json"), "--streams", str(args.callers),
                           "--max-new-tokens", str(args.new_tokens), "--timeout-s", "60", "--seed", str(args.seed),
                           "--max-s", str(args.minutes * 60 + 600)])
+        run = NetnsSoak(mesh, load, expected, args.report_s)
         try:
-            run = NetnsSoak(mesh, load, expected, args.report_s)
-            stop_at = run.t0 + args.minutes * 60
-            next_fault, n = run.t0 + args.fault_every_s, 0
-            while time.monotonic() < stop_at:
-                if time.monotonic() < next_fault:
-                    run.sleep(min(next_fault, stop_at) - time.monotonic())
-                    continue
-                fault, at = NETNS_FAULTS[n % len(NETNS_FAULTS)], time.monotonic()
-                stage = STAGES[(n // len(NETNS_FAULTS)) % len(STAGES)][0]
-                target = run.fault(fault, stage, args.hold_s)
-                back = run.chains_back(time.time(), BACK_S)
-                faults_done.append({"at_s": round(at - run.t0), "fault": fault, "target": target, "back_s": back})
-                print(json.dumps({"fault": faults_done[-1]}), flush=True)
-                if back is None:
-                    print(f"both chains not back within {BACK_S:.0f} s of the heal of {fault}", flush=True)
-                n += 1
-                next_fault = max(next_fault + args.fault_every_s, time.monotonic() + 1)
+            faults = run.faults(args.minutes * 60, args.fault_every_s, args.hold_s)
+            last = run.report()  # the load client's RSS too, before it stops
         finally:
             load.stop()
-        run.tick()
-        last = run.report()
+        run.tick()  # the requests that were in flight
         alive = mesh.alive()
     return {
-        "mode": "netns", "minutes": args.minutes, "callers": args.callers, "faults": faults_done,
+        "mode": "netns", "minutes": args.minutes, "callers": args.callers, "faults": faults,
         "completed": run.tally.completed, "failed": dict(run.tally.failed), "mismatched": run.tally.mismatched,
-        "chains_not_back": sum(f["back_s"] is None for f in faults_done), "back_within_s": BACK_S,
-        "all_processes_alive": all(alive.values()), "rss_mib_start": run.samples[0]["rss_mib"],
-        "rss_mib_end": last["rss_mib"], "logs": str(workdir), "date": time.strftime("%Y-%m-%d"),
-        "cpus": os.cpu_count(),
+        "chains_not_back": sum(f["back_s"] is None for f in faults), "back_within_s": BACK_S,
+        "slowest_s": round(run.slowest_s, 1), "all_processes_alive": all(alive.values()),
+        "rss_mib_start": run.samples[0]["rss_mib"], "rss_mib_end": last["rss_mib"], "logs": str(workdir),
+        "date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(),
     }
 
 

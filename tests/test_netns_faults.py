@@ -132,17 +132,18 @@ def test_hosts_reach_each_other_and_each_fault_is_undone_exactly():
 
 @pytest.mark.timeout(300)
 def test_the_soak_on_the_namespace_mesh_meets_each_control_plane_fault(tiny_model, tmp_path):
-    """scripts/soak.py --netns, a minute short, its faults every 15 s and held 4 s: the scheduler stopped, the
+    """scripts/soak.py --netns, 36 s short, its faults every 10 s and held 3 s: the scheduler stopped, the
     etcd cluster restarted, chain B's stages partitioned, each once; every stream completed and equal to
     transformers'; RSS of every process reported. Whether chain B came back after the partition is the soak's
     chains_not_back, left to its long runs (test_a_partition_between_two_stages_... below has it)."""
     out = tmp_path / "soak.json"
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "soak.py"), "--netns", "--model", str(tiny_model),
-                           "--minutes", "1", "--fault-every-s", "15", "--hold-s", "4", "--report-s", "15",
+                           "--minutes", "0.6", "--fault-every-s", "10", "--hold-s", "3", "--report-s", "10",
                            "--callers", "2", "--new-tokens", "8", "--out", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
     summary = json.loads(out.read_text())
+    print(f"\nsoak --netns: {summary['faults']}")
     assert [f["fault"] for f in summary["faults"]][:3] == ["scheduler_stall", "registry_restart", "partition"]
     assert summary["completed"] > 0 and not summary["failed"] and not summary["mismatched"], summary
     named = {"scheduler", "router", "m0", "m1", "m2", "load", *(name for name, _, _ in STAGES)}

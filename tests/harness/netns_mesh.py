@@ -133,10 +133,10 @@ class NetnsMesh:
     def process(self, name: str) -> Process:
         return next(p for p in self.processes.processes if p.name == name)
 
-    def pids(self) -> dict[str, int]:
-        """Every process of the mesh by name: the stagemesh ones and the etcd members (m0..m2)."""
-        pids = {p.name: p.pid for p in self.processes.processes}
-        pids.update({name: p.pid for name, p in zip(self.etcd.names, self.etcd.procs, strict=True) if p is not None})
+    def pids(self) -> dict[str, int | None]:
+        """Every process of the mesh by name: the stagemesh ones and the etcd members (m0..m2; None while down)."""
+        pids: dict[str, int | None] = {p.name: p.pid for p in self.processes.processes}
+        pids.update({name: p and p.pid for name, p in zip(self.etcd.names, self.etcd.procs, strict=True)})
         return pids
 
     def alive(self) -> dict[str, bool]:
