@@ -7,17 +7,20 @@ from __future__ import annotations
 
 import signal
 import socket
+import time
 import urllib.request
 from pathlib import Path
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from stagemesh.launcher import LocalMesh, even_split, stage_env
-from stagemesh.v1 import stage_pb2, stage_pb2_grpc
+from stagemesh.v1 import router_pb2, stage_pb2, stage_pb2_grpc
 from tests.harness.link_proxy import LinkProxy
 
 FAULTS = ("sigkill", "sigstop", "cut", "black_hole", "delay", "garbage")
+ROUTER_SERVICE = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
 
 
 def free_ports(n: int) -> list[int]:
@@ -66,9 +69,28 @@ class FaultMesh:
                              "--metrics-port", str(self.router_metrics_port), *router_args,
                              *[a for spec in specs for a in ("--chain", spec)]])], stage_env(1),
                 timeout=ready_timeout_s)
+            self.wait_serving(ready_timeout_s)
         except BaseException:
             self.stop()
             raise
+
+    def wait_serving(self, timeout_s: float) -> None:
+        """Until the router's health says SERVING (a whole chain passed its checks), as a load balancer in front
+        of it waits: a router is ready before its first checks of the stages end, and a request sent in that
+        moment is refused (no usable chain), which is no fault of the mesh's."""
+        deadline = time.monotonic() + timeout_s
+        with grpc.insecure_channel(self.router.address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            while True:
+                try:
+                    reply = health.Check(health_pb2.HealthCheckRequest(service=ROUTER_SERVICE), timeout=5)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the router at {self.router.address} was not SERVING in {timeout_s:.0f}s")
+                time.sleep(0.1)
 
     def _stage_spec(self, i: int) -> tuple[str, list[str]]:
         a, b = self.layers[i]
