@@ -80,6 +80,38 @@ async def test_a_chain_held_by_its_probe_stays_held_when_withdrawn_and_published
         await mesh.stop()
 
 
+async def test_health_checks_go_on_after_a_chain_is_withdrawn_while_its_check_waits(tiny_model):
+    """The scheduler withdraws a chain while the router's check of it waits on a stage that does not answer (its
+    host cut off): the withdrawal closes the chain's channels, which cancels the check's call under it. The checks
+    of every chain go on: they stopped (the cancellation ended the health loop), and a chain published later, or
+    one marked down, never came back: a netns test saw chain B listed but never healthy after its host's cut."""
+    mesh = await start_mesh(tiny_model, [splits(4, 4), splits(4, 4)], router=False)
+    link = LinkProxy(mesh.stages[1][0].address).start()
+    stages = [PublishedChain(tuple(PublishedStage(f"s{i}", address, a, b)
+                                   for i, (address, (a, b)) in enumerate(zip(addresses, splits(4, 4), strict=True))))
+              for addresses in ([s.address for s in mesh.stages[0]], [link.address, mesh.stages[1][1].address])]
+    chains = ChainSet([], 8, model_fingerprint(str(tiny_model)))
+    watch = asyncio.ensure_future(chains.watch(0.05))
+    try:
+        await chains.adopt(stages)
+        await until(lambda: all(c.healthy for c in chains.chains), 30, "both chains up")
+        kept, withdrawn = chains.chains
+        link.set(delay_s=0.4)  # each way: its checks now wait on the link
+        sent = link.bytes_in
+        await until(lambda: link.bytes_in > sent, 10, "a check's call reached the slow link", every=0.005)
+        chains.replace([stages[0]])  # withdrawn mid-check: no stream on it, so its channels close now
+        await asyncio.sleep(0.5)
+        assert not watch.done(), f"the health loop ended: {watch.exception() if not watch.cancelled() else 'cancelled'}"
+        chains.mark_down(kept, "UNAVAILABLE: a stream on it failed")
+        await until(lambda: kept.healthy, 30, "the chain marked down back by the next check that passes")
+        assert withdrawn.withdrawn
+    finally:
+        watch.cancel()
+        await chains.close()
+        link.stop()
+        await mesh.stop()
+
+
 def _probes(result: str) -> float:
     return metrics.CHAIN_PROBES.labels(result)._value.get()
 

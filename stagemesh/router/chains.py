@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 
@@ -276,6 +275,11 @@ class ChainSet:
                                                                                timeout=timeout))
             self._check_identity(chain, infos)
             self._check_layers(chain, infos)
+        except asyncio.CancelledError:
+            if asyncio.current_task().cancelling():
+                raise  # the router stops
+            # The chain's channels closed under the call (withdrawn: _close_if_done), which cancels it: no answer.
+            return None
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 return None
@@ -369,9 +373,22 @@ class ChainSet:
             self._notify()
 
     async def watch(self, interval: float = 1.0) -> None:
+        """Checks every chain each interval until cancelled. A round that fails is logged (once per reason) and the
+        checks go on: a loop that ended would leave every chain as its last check saw it, for good."""
+        failed = ""
         while True:
-            with contextlib.suppress(Exception):
+            try:
                 await self.refresh()
+                failed = ""
+            except asyncio.CancelledError:
+                if asyncio.current_task().cancelling():
+                    raise
+                failed = "a call was cancelled under the checks"
+                log.warning(f"chain checks: {failed}; checking again")
+            except Exception as exc:
+                if repr(exc) != failed:
+                    log.exception("chain checks failed; checking again")
+                failed = repr(exc)
             await asyncio.sleep(interval)
 
     async def close(self) -> None:
