@@ -271,3 +271,12 @@ async def step_error(stub: stage_pb2_grpc.StageStub, *steps: stage_pb2.ForwardRe
 
 async def step_status(stub: stage_pb2_grpc.StageStub, *steps: stage_pb2.ForwardRequest) -> grpc.StatusCode:
     return (await step_error(stub, *steps)).code()
+
+
+async def call_status(call) -> grpc.StatusCode:
+    """The status a call ended with (OK when it got through)."""
+    try:
+        await call
+    except grpc.aio.AioRpcError as exc:
+        return exc.code()
+    return grpc.StatusCode.OK

@@ -33,7 +33,7 @@ from stagemesh.tiny_model import make_tiny_model
 from stagemesh.tls import PlaintextConfig
 from stagemesh.v1 import router_pb2, router_pb2_grpc, stage_pb2, stage_pb2_grpc
 from stagemesh.wire import PROTOCOL_VERSION
-from tests.conftest import StageSessions, collect, hf_greedy, splits, start_mesh, step_error, step_status
+from tests.conftest import StageSessions, call_status, collect, hf_greedy, splits, start_mesh, step_error, step_status
 from tests.test_kv_pool import kv_gb_for_blocks
 from tests.test_scheduler import ControlPlane, wait_for_chains
 
@@ -55,14 +55,6 @@ def step(session_id: str, ids: list[int], start: int = 0) -> stage_pb2.ForwardRe
     return stage_pb2.ForwardRequest(session_id=session_id, start=start, token_ids=wire.encode_ids(ids))
 
 
-async def status_of(call) -> grpc.StatusCode:
-    try:
-        await call
-    except grpc.aio.AioRpcError as exc:
-        return exc.code()
-    return grpc.StatusCode.OK
-
-
 # --- sessions ---------------------------------------------------------------------------------------------
 
 
@@ -73,7 +65,7 @@ async def test_a_session_is_stepped_and_closed_by_its_opener_only(tiny_model):
         await owner.OpenSession(stage_pb2.OpenSessionRequest(session_id="mine", max_length=16))
         for _ in range(2):  # a stranger's failed attempts close nothing either
             assert await step_status(stranger, step("mine", [5, 6])) == grpc.StatusCode.NOT_FOUND
-            assert await status_of(stranger.CloseSession(stage_pb2.CloseSessionRequest(session_id="mine"))) == \
+            assert await call_status(stranger.CloseSession(stage_pb2.CloseSessionRequest(session_id="mine"))) == \
                 grpc.StatusCode.NOT_FOUND
         # The same answer as for an id that never existed: nothing tells the stranger it is in use.
         theirs = await step_error(stranger, step("mine", [5]))
@@ -110,7 +102,7 @@ async def test_sessions_opened_and_never_stepped_do_not_hold_the_pool(tiny_model
         await call.send(steps=[step("worker", [5, 6])])
         await call.read()
         await stub.OpenSession(stage_pb2.OpenSessionRequest(session_id="hog", max_length=100))
-        assert await status_of(stub.OpenSession(stage_pb2.OpenSessionRequest(session_id="late", max_length=100))) \
+        assert await call_status(stub.OpenSession(stage_pb2.OpenSessionRequest(session_id="late", max_length=100))) \
             == grpc.StatusCode.RESOURCE_EXHAUSTED  # the pool is full
         t0 = time.monotonic()
         while (await stub.Info(stage_pb2.InfoRequest())).open_sessions > 1 and time.monotonic() - t0 < 60:

@@ -38,7 +38,7 @@ from stagemesh.router.server import RouterConfig, RouterServer
 from stagemesh.scheduler.server import print_plan
 from stagemesh.signals import on_reload
 from stagemesh.v1 import registry_pb2, registry_pb2_grpc, router_pb2, router_pb2_grpc, stage_pb2, stage_pb2_grpc
-from tests.conftest import collect, hf_greedy, splits, start_mesh
+from tests.conftest import call_status, collect, hf_greedy, splits, start_mesh
 from tests.harness.fault_mesh import free_port
 
 PROMPT = [11, 12, 13, 14, 15, 16]
@@ -333,15 +333,6 @@ def test_a_kubernetes_tls_secret_mounted_as_it_is_is_a_tls_directory(tmp_path, c
         tls.load(secret)
 
 
-async def call_code(call) -> grpc.StatusCode:
-    """The status a call ended with (OK when it got through)."""
-    try:
-        await call
-    except grpc.aio.AioRpcError as exc:
-        return exc.code()
-    return grpc.StatusCode.OK
-
-
 async def test_a_stage_takes_sessions_only_from_routers_and_relays_only_from_stages(meshes, certs):
     """With role certificates, a stage certificate (or an operator's) cannot open or step a session on a stage, a
     router's cannot relay into one: PERMISSION_DENIED naming the role needed and the one presented."""
@@ -356,17 +347,17 @@ async def test_a_stage_takes_sessions_only_from_routers_and_relays_only_from_sta
             assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED, who
             assert "from a router certificate" in err.value.details() and f"role {who}" in err.value.details()
             sessions = stub.Sessions(iter([stage_pb2.SessionBatch()]), timeout=5)
-            assert await call_code(sessions.read()) == grpc.StatusCode.PERMISSION_DENIED, who
+            assert await call_status(sessions.read()) == grpc.StatusCode.PERMISSION_DENIED, who
             assert (await stub.Info(stage_pb2.InfoRequest(), timeout=5)).layer_end > 0  # reads stay open
     async with grpc_server.channel(stage.address, certs["router"]) as channel:
         stub = stage_pb2_grpc.StageStub(channel)
-        assert await call_code(stub.OpenSession(open_request, timeout=5)) == grpc.StatusCode.OK
+        assert await call_status(stub.OpenSession(open_request, timeout=5)) == grpc.StatusCode.OK
         await stub.CloseSession(stage_pb2.CloseSessionRequest(session_id="roles-test"), timeout=5)
         relay = stub.Relay(iter([stage_pb2.RelayBatch()]), timeout=5)
-        assert await call_code(relay.read()) == grpc.StatusCode.PERMISSION_DENIED
+        assert await call_status(relay.read()) == grpc.StatusCode.PERMISSION_DENIED
     async with grpc_server.channel(stage.address, certs["mesh"]) as channel:  # role-less: every role, as before
         stub = stage_pb2_grpc.StageStub(channel)
-        assert await call_code(stub.OpenSession(open_request, timeout=5)) == grpc.StatusCode.OK
+        assert await call_status(stub.OpenSession(open_request, timeout=5)) == grpc.StatusCode.OK
         await stub.CloseSession(stage_pb2.CloseSessionRequest(session_id="roles-test"), timeout=5)
 
 
