@@ -23,7 +23,7 @@ from stagemesh.stage_server.engine.kv_pool import KVPool, PoolExhausted, Preempt
 from stagemesh.stage_server.service.callers import prefix_domain
 from stagemesh.tiny_model import make_tiny_model
 from stagemesh.v1 import stage_pb2
-from tests.conftest import FAMILIES, NUM_LAYERS, collect, hf_greedy, splits, start_mesh
+from tests.conftest import FAMILIES, NUM_LAYERS, collect, hf_greedy, splits, start_mesh, until
 from tests.test_exactness import prompt
 from tests.test_traffic import request
 
@@ -401,11 +401,14 @@ def test_sessions_that_share_blocks_never_see_each_others_writes(ops):
 
 
 @pytest.mark.parametrize("dead", [1, 2])
+@pytest.mark.parametrize("replacement", ["holds the prefix", "cold"])
 async def test_a_stream_that_started_from_the_cache_is_repaired_when_a_later_stage_stops(tiny_model, hf_models,
-                                                                                        caplog, dead):
-    """Its stages logged no output for the positions they attached, so the new stage is rebuilt by the stages before
-    it computing the prefix again (from token ids): the stream is repaired, not replayed, the stages after the new
-    one keep their caches, and it stays exact."""
+                                                                                        caplog, dead, replacement):
+    """Its stages logged no output for the positions they attached. The stage that takes the failed one's place
+    attaches the prefix from its own cache when it holds it (it served the prompt in its own chain, after other
+    stages than this chain's: the same layers of the same build compute the same inputs); a cold one is rebuilt by
+    the stages before it computing the prefix again (from token ids). Either way the stream is repaired, not
+    replayed, the stages after the new one keep their caches, and it stays exact."""
     caplog.set_level(logging.INFO, logger="stagemesh.router")
     mesh = await start_mesh(tiny_model, [splits(2, 3, 3), splits(2, 3, 3)])
     try:
@@ -420,7 +423,11 @@ async def test_a_stream_that_started_from_the_cache_is_repaired_when_a_later_sta
         while len(got) < 4:
             got.extend((await call.read()).token_ids)
         chain = next(c for c in mesh.stages if c[1].sessions.sessions)
+        other = next(c for c in mesh.stages if c is not chain)
         assert [s.cache.attached for s in chain[0].sessions.sessions.values()] == [2 * BS]
+        if replacement == "cold":  # once the warm-up's sessions there have closed
+            await until(lambda: not any(s.sessions.sessions for s in other), 30, "the other chain's sessions closed")
+            assert other[dead].pool.forget_cached() == 2
         kept = [next(iter(s.sessions.sessions.values())).cache for s in chain[dead + 1:]]
         await chain[dead].stop(0)
         while (response := await call.read()) is not grpc.aio.EOF:
@@ -430,6 +437,8 @@ async def test_a_stream_that_started_from_the_cache_is_repaired_when_a_later_sta
         assert "takes its place" in caplog.text and "replaying" not in caplog.text
         assert last.cached_tokens == 2 * BS
         assert [c.length for c in kept] == [len(ids) + 11] * len(kept)  # the stages after it kept their caches
+        rebuilt = [s.cache.attached for s in other[dead].sessions.sessions.values()]
+        assert rebuilt == [2 * BS if replacement == "holds the prefix" else 0]
     finally:
         await mesh.stop()
 

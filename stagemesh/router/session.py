@@ -123,9 +123,11 @@ class ChainSession:
 
     def prefix_salt(self, index: int) -> str:
         """Whose blocks they are (the caller's cache scope), and what stage index's inputs depend on besides the
-        tokens: the model version, the wire dtype and the stages before it (their addresses and layers); its cached
-        blocks are shared under the same salt only."""
-        before = ",".join(f"{s.address}[{s.layer_start}:{s.layer_end}]" for s in self.chain.stages[:index])
+        tokens: the build (the chain's fingerprint: model version, dtype, quantization), the wire dtype and how the
+        layers before it are split; its cached blocks are shared under the same salt only. Not which stages those
+        were: the same layers of the same build compute the same inputs, so a stage that served a prompt after one
+        chain's stages attaches it after another's (a repair's new stage, a chain re-planned around it)."""
+        before = ",".join(f"[{s.layer_start}:{s.layer_end}]" for s in self.chain.stages[:index])
         return f"{self.cache_scope}|{self.chain.fingerprint}|{self.wire_dtype if index else ''}|{before}"
 
     async def __aenter__(self) -> ChainSession:

@@ -281,6 +281,17 @@ class KVPool:
         self.refs[block] = 1
         return block
 
+    def forget_cached(self) -> int:
+        """Drops every cached block no session holds from the index (vLLM's reset_prefix_cache): a benchmark or a
+        test starts from a cold cache without a new stage. Returns how many went."""
+        with self._lock:
+            dropped = len(self.evictable)
+            while self.evictable:
+                block, _ = self.evictable.popitem(last=False)
+                del self.cached[self.key_of.pop(block)]
+                self.free.append(block)
+            return dropped
+
     def _register(self, cache: SessionCache) -> None:
         """Indexes cache's computed full blocks under its prefix keys (first come, first kept)."""
         done = min(len(cache.prefix_keys), cache.length // self.block_size, len(cache.blocks))
