@@ -31,7 +31,7 @@ import torch  # noqa: E402
 
 from stagemesh import metrics  # noqa: E402
 from stagemesh.checkpoint import ModelArgs  # noqa: E402
-from stagemesh.stage_server.engine import paged_attention  # noqa: E402
+from stagemesh.stage_server.engine import fused_ops, paged_attention  # noqa: E402
 from stagemesh.stage_server.engine.kv_pool import KVPool  # noqa: E402
 from stagemesh.stage_server.engine.model import StageModel, StepSlice  # noqa: E402
 from stagemesh.stage_server.gpu.cuda_graphs import GraphedPasses  # noqa: E402
@@ -125,9 +125,12 @@ def measure(shape: str, args: argparse.Namespace) -> dict:
     a = model.args
     weight_bytes = sum(p.nbytes for p in model.parameters())
     paged_attention.attach(model)
+    if args.fused_layers:
+        fused_ops.attach(model)  # a CUDA stage's default (--fused-layers)
     out: dict = {"shape": shape, "device": str(device), "dtype": args.dtype, "weights_GiB": weight_bytes / 2**30,
                  "attention": "triton" if model.ragged_attention is not None else
-                 ("cpu kernel" if model.decode_attention is not None else "gathered SDPA")}
+                 ("cpu kernel" if model.decode_attention is not None else "gathered SDPA"),
+                 "fused_ops": model.fused_ops is not None}
     if device.type == "cuda":
         out["gpu"] = torch.cuda.get_device_name(device)
     bw = bandwidth(device)
@@ -185,7 +188,7 @@ def measure(shape: str, args: argparse.Namespace) -> dict:
 
 def report(r: dict) -> None:
     print(f"\n== {r['shape']} on {r.get('gpu', r['device'])}, {r['dtype']}, {r['weights_GiB']:.2f} GiB of weights, "
-          f"attention: {r['attention']}")
+          f"attention: {r['attention']}, a layer's small ops {'fused' if r['fused_ops'] else 'one by one'}")
     print(f"memory bandwidth {r['bandwidth_GBps']:.0f} GB/s: batch-1 floor {r['floor_ms']:.3f} ms/token")
     print(f"one session's decode step: {r['single_stream_ms']:.3f} ms ({r['single_stream_of_floor']:.0%} of the floor)")
     b = r["batch"]
@@ -215,6 +218,8 @@ def main() -> None:
     p.add_argument("--max-batch-tokens", type=int, default=2048)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--fused-layers", action=argparse.BooleanOptionalAction, default=True,
+                   help="a layer's small ops in one Triton kernel each on CUDA, as a stage runs by default")
     p.add_argument("--quick", action="store_true", help="a smoke run: 4 sessions x 64 positions, a 128-token "
                                                         "prompt in chunks of 32, 3 repeats")
     p.add_argument("--json", type=Path)

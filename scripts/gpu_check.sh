@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check (issue 42), for a machine with a CUDA GPU; about 8 minutes on an H100.
+# The GPU check (issue 42), for a machine with a CUDA GPU; about 9 minutes on an H100.
 #
 #   scripts/gpu_check.sh [--model DIR] [--out DIR] [--python PY] [--keep-going] [--dry-run]
 #
@@ -11,6 +11,7 @@
 #    1.1B and Llama-3-8B shapes in bfloat16 with CUDA graphs: HBM bandwidth and the batch-1 floor, one session's
 #    decode step, a decode pass of 32 sessions x 4,096 positions against (weights + K/V) / bandwidth, a 2,048-token
 #    prompt's first token whole and in 512-token chunks, each graph bucket's capture time and memory, eager passes;
+#    then the 1.1B shape once more with a layer's small ops one by one (--no-fused-layers), for what fusing gains;
 # 4. the 1.1B model's decode pass in process, eager against CUDA graphs, 1, 32 and 64 sessions
 #    (scripts/dev/bench_step_compile.py);
 # 5. scripts/bench.py on the GPU: single-stream decode and 32/64 mixed streams, 1 and 2 stages, side by side with
@@ -28,7 +29,7 @@ DRY=0
 KEEP=0
 FAILED=()
 
-usage() { sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; }
 
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -79,6 +80,8 @@ run "$PY" -m pytest -q -s -p no:cacheprovider tests/test_device_exactness.py --d
 
 step "3. the engine against the memory floor: 1.1B and 8B shapes, bfloat16, CUDA graphs"
 run "$PY" scripts/bench_engine.py --shape 1b --shape 8b --json "$OUT/engine.json"
+run "$PY" scripts/bench_engine.py --shape 1b --no-fused-layers --context 1024 --prompt-tokens 512 --repeats 10 \
+  --json "$OUT/engine-unfused.json"
 
 step "4. the 1.1B decode pass in process, eager against CUDA graphs (1, 32 and 64 sessions)"
 run "$PY" scripts/dev/bench_step_compile.py --model "$MODEL" --device cuda --dtype bfloat16 --sizes 1,32,64 \

@@ -1,5 +1,6 @@
-"""The GPU's attention kernel checked on this CPU: tests/triton_interpreted.py in a process of its own with
-TRITON_INTERPRET=1 (Triton's interpreter must be chosen before triton is imported, so not in this one)."""
+"""The GPU's Triton kernels (attention, a layer's fused small ops, int8) checked on this CPU:
+tests/triton_interpreted.py in a process of its own with TRITON_INTERPRET=1 (Triton's interpreter must be chosen
+before triton is imported, so not in this one)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The GPU's attention kernel (stage_server/gpu/triton_attention.py) on CPU tensors, through Triton's interpreter.
+"""The GPU's Triton kernels (stage_server/gpu/) on CPU tensors, through Triton's interpreter.
 
 Not collected by the suite on its own (its name is not test_*.py): tests/test_triton_attention.py runs it in a
 process whose environment has TRITON_INTERPRET=1 before triton is imported, which the interpreter needs.
@@ -6,7 +6,8 @@ Checked here: the attention kernel against attention computed in float64 from th
 and passes mixing them, sessions of very different lengths, block boundaries, sliding windows, GQA, key splits,
 a head size that is not a power of two, float32 and float16 (the interpreter cannot compute in bfloat16: the
 GPU check does); a stage's model attending through it against transformers within 1e-4 in float32, every pass
-through CUDA graphs' padded buffers likewise; and the int8 weight-only matrix product (triton_int8.py).
+through CUDA graphs' padded buffers likewise; a layer's fused small ops (triton_fused.py) against the ops they
+replace, and in those stages; and the int8 weight-only matrix product (triton_int8.py).
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ import torch
 from stagemesh import metrics
 from stagemesh.stage_server.engine.kv_pool import KVPool
 from stagemesh.stage_server.engine.loader import load_stage
-from stagemesh.stage_server.engine.model import StepSlice
+from stagemesh.stage_server.engine.model import FusedOps, RMSNorm, StepSlice, apply_rope, rope_tables
 from stagemesh.stage_server.engine.pass_plan import paged_batch
 from stagemesh.stage_server.engine.quantize import int8_rows
+from stagemesh.stage_server.gpu import triton_fused
 from stagemesh.stage_server.gpu.cuda_graphs import GraphedPasses
 from stagemesh.stage_server.gpu.triton_attention import decode_attention, paged_attention
 from stagemesh.stage_server.gpu.triton_int8 import int8_weight_matmul
@@ -139,13 +141,19 @@ def test_the_decode_signature_made_on_the_device_equals_the_ragged_batch():
                                atol=1e-5, rtol=0)
 
 
+FUSED = FusedOps(triton_fused.add_rms_norm, triton_fused.rope_and_write, triton_fused.silu_and_mul)
+
+
 @pytest.mark.parametrize("layers", [(0, None), (0, 3), (3, None)])
-def test_a_stage_attending_through_the_kernel_equals_transformers(tiny_models, hf_models, layers):
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_stage_attending_through_the_kernel_equals_transformers(tiny_models, hf_models, layers, fused):
     """Prompts of different lengths prefilled in one pass, then decode passes, across block boundaries: every
-    logit within 1e-4 of transformers (a first or middle stage: its hidden states against the model's)."""
+    logit within 1e-4 of transformers (a first or middle stage: its hidden states against the model's), with the
+    layers' small ops one by one or fused (triton_fused.py)."""
     start, end = layers
     model = load_stage(tiny_models["llama"], start, end, huge=False)
     model.ragged_attention = paged_attention
+    model.fused_ops = FUSED if fused else None
     a = model.args
     pool = KVPool(8 << 20, len(model.layers), a.num_kv_heads, a.head_dim, model.dtype, block_size=16, huge=False)
     if model.is_last and model.is_first:
@@ -177,13 +185,14 @@ def eager_passes() -> float:
 
 def test_passes_through_padded_graph_buckets_equal_transformers(tiny_models, hf_models):
     """Every pass through GraphedPasses' padded buffers (capture=False: the function a graph captures, run on its
-    buffers): prompts of 1-17 tokens prefilled in one mixed pass (3 sessions in a bucket of 16 tokens and 16
-    sessions), decode passes of 1-3 sessions in buckets of 1, 2 and 4, then a chunk and decode steps in one mixed
-    pass. Every logit within 1e-4 of transformers and greedy tokens the same, with every pool slot no session
-    wrote set to NaN (a padding row that wrote into a session's block, or a key read past a session's end, would
-    show); no pass ran eager. A pass past the largest bucket has no graph."""
+    buffers, the layers' small ops fused): prompts of 1-17 tokens prefilled in one mixed pass (3 sessions in a
+    bucket of 16 tokens and 16 sessions), decode passes of 1-3 sessions in buckets of 1, 2 and 4, then a chunk
+    and decode steps in one mixed pass. Every logit within 1e-4 of transformers and greedy tokens the same, with
+    every pool slot no session wrote set to NaN (a padding row that wrote into a session's block, or a key read
+    past a session's end, would show); no pass ran eager. A pass past the largest bucket has no graph."""
     model = load_stage(tiny_models["llama"], 0, None, huge=False)
     model.ragged_attention = paged_attention
+    model.fused_ops = FUSED  # as a CUDA stage runs (test_a_stage_attending_... checks the layers' own ops too)
     a = model.args
     pool = KVPool(1 << 22, len(model.layers), a.num_kv_heads, a.head_dim, model.dtype, block_size=4, huge=False)
     pool.k[:, pool.block_size:] = float("nan")
@@ -234,3 +243,64 @@ def test_the_int8_weight_kernel_computes_what_int8_weight_linear_computes(rows, 
     assert out.dtype == dtype and out.shape == (rows, 200)
     # float16: the output's own rounding (~1e-3 at these magnitudes)
     torch.testing.assert_close(out.double(), want, atol=1e-4 if dtype == torch.float32 else 2e-3, rtol=0)
+
+
+def rounding_of(dtype: torch.dtype) -> float:
+    """An ulp or two of the dtype at the tests' magnitudes (a few units): float32 sums in another order, float16
+    the same ops rounded alike but for that order."""
+    return 1e-5 if dtype == torch.float32 else 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("width", [256, 200])
+def test_the_fused_add_and_rms_norm_computes_the_add_and_the_layers_norm(dtype, with_residual, width):
+    """(RMSNorm(x + residual), x + residual), each rounded as the separate ops round; a width that fills no
+    power of two; no residual: the stream is x itself."""
+    g = torch.Generator().manual_seed(width)
+    x, residual = (torch.randn(5, width, generator=g).to(dtype) for _ in range(2))
+    norm = RMSNorm(width, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(width, generator=g) + 0.5)
+    norm = norm.to(dtype)
+    out, stream = triton_fused.add_rms_norm(x, residual if with_residual else None, norm.weight, norm.eps)
+    want_stream = x + residual if with_residual else x
+    assert stream.dtype == dtype and torch.equal(stream, want_stream)
+    with torch.no_grad():
+        want = norm(want_stream.float()).to(dtype) if dtype == torch.float32 else norm(want_stream)
+    torch.testing.assert_close(out.float(), want.float(), atol=rounding_of(dtype), rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("width", [64, 1500])
+def test_the_fused_silu_and_mul_computes_silu_of_gate_times_up(dtype, width):
+    g = torch.Generator().manual_seed(width)
+    gate_up = (torch.randn(3, 2 * width, generator=g) * 3).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(triton_fused.silu_and_mul(gate_up).float(),
+                               (torch.nn.functional.silu(gate) * up).float(), atol=rounding_of(dtype), rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 32), (6, 2, 48)])
+def test_the_fused_rotary_rotates_q_and_k_and_writes_k_and_v_to_their_slots_only(dtype, heads, kv_heads, head_dim):
+    """q as apply_rope makes it, k rotated and v as it is in the pool's rows the tokens name, every other row
+    untouched (NaN stays NaN); positions and slots in no order, as a mixed pass has them."""
+    g = torch.Generator().manual_seed(heads)
+    T, H, kvH, D = 7, heads, kv_heads, head_dim
+    qkv = torch.randn(T, (H + 2 * kvH) * D, generator=g).to(dtype)
+    positions = torch.tensor([3, 0, 41, 42, 7, 100, 5])
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
+    cos, sin = (t[positions, None] for t in rope_tables(inv_freq, 1.0, 128, dtype))
+    slots = torch.tensor([9, 2, 30, 31, 17, 50, 4])
+    k_pool = torch.full((64, kvH, D), float("nan"), dtype=dtype)
+    v_pool = torch.full_like(k_pool, float("nan"))
+    q = triton_fused.rope_and_write(qkv, cos, sin, slots, k_pool, v_pool, H, kvH)
+    qk = apply_rope(qkv[:, : (H + kvH) * D].view(T, H + kvH, D), cos, sin)
+    atol = rounding_of(dtype)
+    torch.testing.assert_close(q.float(), qk[:, :H].float(), atol=atol, rtol=0)
+    torch.testing.assert_close(k_pool[slots].float(), qk[:, H:].float(), atol=atol, rtol=0)
+    assert torch.equal(v_pool[slots], qkv[:, (H + kvH) * D :].view(T, kvH, D))
+    others = torch.ones(64, dtype=torch.bool)
+    others[slots] = False
+    assert k_pool[others].isnan().all() and v_pool[others].isnan().all()

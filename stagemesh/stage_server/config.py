@@ -243,7 +243,10 @@ class StageConfig:
     layers in one call of stagemesh's kernels (stage_server/cpu/decode_layers.py) instead of ~25 eager ops a layer: on
     the tiny model a 2-stage chain's model phase 1.3-1.6x faster (one call per layer then; all layers in one call
     since), on the ~270M model within noise. The same arithmetic (within 1e-6 of the layers' own ops). Prefill
-    chunks and mixed passes, and --compile's graphs, are unchanged; --no-fused-layers keeps every pass op by op."""
+    chunks and mixed passes, and --compile's graphs, are unchanged. On CUDA, every pass (and every CUDA graph) runs a
+    layer's small ops in one Triton kernel each: RMSNorm with the residual add before it, the rotary embedding with
+    the K/V writes, SiLU-and-multiply (stage_server/gpu/triton_fused.py: ~30 kernels a layer become nine, rounding
+    where the ops they replace round). --no-fused-layers keeps every pass op by op."""
 
     tp: int = 1
     """Tensor-parallel ranks: the slice runs on this many processes of this host (one per CUDA device on a GPU

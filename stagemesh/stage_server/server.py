@@ -21,7 +21,7 @@ from stagemesh.errors import StatusError, StatusInterceptor
 from stagemesh.stage_server.config import StageConfig, max_step_bytes, split_host_port
 from stagemesh.stage_server.cpu import decode_layers, huge_pages, packed_weights
 from stagemesh.stage_server.cpu.compute_thread import compute_executor, hold_to_one_thread
-from stagemesh.stage_server.engine import paged_attention
+from stagemesh.stage_server.engine import fused_ops, paged_attention
 from stagemesh.stage_server.engine.batcher import StepBatcher
 from stagemesh.stage_server.engine.compiled import compile_stage, compiled_graphs, is_compiled
 from stagemesh.stage_server.engine.kv_pool import KVPool
@@ -175,7 +175,8 @@ class StageServer:
         if self.config.tp > 1:  # the other ranks load their shards meanwhile
             tp = TPGroup({"model": self.config.model, "layer_start": layer_start, "layer_end": layer_end,
                           "dtype": self.dtype, "device": str(self.device), "threads": self.config.threads,
-                          "size": self.config.tp, "attention_kernel": self.config.attention_kernel}, self.device)
+                          "size": self.config.tp, "attention_kernel": self.config.attention_kernel,
+                          "fused_layers": self.config.fused_layers}, self.device)
         model = load_stage(self.config.model, layer_start, layer_end, dtype=dtype, device=self.device,
                            linears=linear_format(self.config.quantize, self.device.type, dtype),
                            tp=(0, self.config.tp), huge=self.config.huge_pages)
@@ -191,7 +192,10 @@ class StageServer:
                 log.info(f"Linear weights packed in {int8}panels for stagemesh's kernel: {packed / 2**20:.0f} MiB")
             else:
                 log.info(f"Linear weights in torch's layout: {why}")
-        if self.config.fused_layers:
+        if self.config.fused_layers and self.device.type == "cuda":
+            why = fused_ops.attach(model)
+            log.info("a layer's small ops fused" if why is None else f"a layer's small ops one by one: {why}")
+        elif self.config.fused_layers:
             why = decode_layers.attach(model)
             log.info("decode passes: all layers in one call" if why is None else f"decode passes op by op: {why}")
         if self.config.compile:

@@ -11,6 +11,7 @@ The math follows transformers' modeling_llama/qwen2/mistral so that results matc
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -27,6 +28,18 @@ from stagemesh.stage_server.engine.pass_plan import (
     int_tensor,
     plan_pass,
 )
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedOps:
+    """A layer's small ops in one kernel each (on CUDA stage_server/gpu/triton_fused.py's), rounding where the ops
+    they replace round; a model without them runs those ops one by one."""
+
+    # (x, residual or None, weight, eps) -> (RMSNorm(x + residual) * weight, x + residual)
+    add_rms_norm: Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
+    # (qkv, cos, signed sin, slots, k_pool, v_pool, heads, kv_heads) -> q, k and v written to the pool
+    rope_and_write: Callable[..., torch.Tensor]
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor]  # gate_up [T, 2 I] -> silu(gate) * up
 
 
 class RMSNorm(nn.Module):
@@ -79,16 +92,19 @@ class Attention(nn.Module):
                                   bias=bias)
         self.o_proj = nn.Linear(args.num_heads * args.head_dim, args.hidden_size, bias=args.o_bias)
 
-    def forward(self, x: torch.Tensor, plan: PassPlan) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, plan: PassPlan, ops: FusedOps | None = None) -> torch.Tensor:
         # x: [T, hidden]; plan.cos, plan.sin: [T, 1, head_dim] (sin signed, see rope_tables)
         a = self.args
         T, H, kvH, D = x.shape[0], a.num_heads, a.num_kv_heads, a.head_dim
         qkv = self.qkv_proj(x)  # [T, (H + 2 kvH) * D]
-        qk = apply_rope(qkv[:, : (H + kvH) * D].view(T, H + kvH, D), plan.cos, plan.sin)  # [T, H + kvH, D]
-        q = qk[:, :H]  # [T, H, D]
         k_pool, v_pool = plan.pool.k[self.slot], plan.pool.v[self.slot]  # [slots, kvH, D]
-        k_pool.index_copy_(0, plan.slots, qk[:, H:])
-        v_pool.index_copy_(0, plan.slots, qkv[:, (H + kvH) * D :].view(T, kvH, D))
+        if ops is not None:
+            q = ops.rope_and_write(qkv, plan.cos, plan.sin, plan.slots, k_pool, v_pool, H, kvH)  # [T, H, D]
+        else:
+            qk = apply_rope(qkv[:, : (H + kvH) * D].view(T, H + kvH, D), plan.cos, plan.sin)  # [T, H + kvH, D]
+            q = qk[:, :H]  # [T, H, D]
+            k_pool.index_copy_(0, plan.slots, qk[:, H:])
+            v_pool.index_copy_(0, plan.slots, qkv[:, (H + kvH) * D :].view(T, kvH, D))
         if plan.ragged is not None:  # every row over its session's keys where they lie (triton_attention.py)
             o = plan.ragged_attention(q, k_pool, v_pool, plan.ragged, plan.pool.block_size, self.window or 0, D**-0.5)
             return self.o_proj(o.reshape(T, H * D))
@@ -141,7 +157,9 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=args.mlp_bias)
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ops: FusedOps | None = None) -> torch.Tensor:
+        if ops is not None:
+            return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, intermediate] each
         return self.down_proj(F.silu(gate) * up)
 
@@ -157,6 +175,16 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, plan: PassPlan) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), plan)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def fused_forward(self, x: torch.Tensor, residual: torch.Tensor | None, plan: PassPlan,
+                      ops: FusedOps) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward() with its small ops fused: x is the previous sublayer's output, not yet added to the residual
+        stream (None: x is the stream, this stage's first layer); returns this layer's MLP output and the
+        stream before it (their sum is forward()'s)."""
+        h, residual = ops.add_rms_norm(x, residual, self.input_layernorm.weight, self.input_layernorm.eps)
+        h, residual = ops.add_rms_norm(self.self_attn(h, plan, ops), residual, self.post_attention_layernorm.weight,
+                                       self.post_attention_layernorm.eps)
+        return self.mlp(h, ops), residual
 
 
 def replace_linears(model: nn.Module, make: Callable[[nn.Module], nn.Module],
@@ -207,6 +235,8 @@ class StageModel(nn.Module):
         # the paths above.
         self.ragged_attention: RaggedAttention | None = None
         self.decode_layers: Callable[[torch.Tensor, PassPlan], tuple[torch.Tensor, bool]] | None = None
+        # On CUDA, each layer's small ops in one kernel each (stage_server/gpu/triton_fused.py); None: op by op.
+        self.fused_ops: FusedOps | None = None
         self.tp_group = None  # rank 0 of a tensor-parallel stage: its TPGroup (stage_server/engine/tensor_parallel.py)
 
     # Read from a norm weight: Linear layers may be quantized (stage_server/engine/quantize.py).
@@ -231,6 +261,17 @@ class StageModel(nn.Module):
         if self.is_first:
             return torch.zeros(n, dtype=torch.long, device=self.device)
         return torch.zeros(n, self.args.hidden_size, dtype=self.dtype, device=self.device)
+
+    def run_layers(self, x: torch.Tensor, plan: PassPlan) -> torch.Tensor:
+        """The decoder layers over x [T, hidden] (embedded tokens or the previous stage's hidden states)."""
+        if self.fused_ops is None:
+            for layer in self.layers:
+                x = layer(x, plan)
+            return x
+        residual = None
+        for layer in self.layers:
+            x, residual = layer.fused_forward(x, residual, plan, self.fused_ops)
+        return x + residual
 
     @torch.inference_mode()
     def forward(self, inputs: torch.Tensor, steps: list[StepSlice]) -> torch.Tensor:
@@ -260,9 +301,7 @@ class StageModel(nn.Module):
         if decode_only and self.decode_layers is not None:  # embedding and head too, where it can
             x, is_logits = self.decode_layers(inputs, plan)
         else:
-            x = self.embed_tokens(inputs) if self.is_first else inputs.to(self.dtype)  # [T, hidden]
-            for layer in self.layers:
-                x = layer(x, plan)
+            x = self.run_layers(self.embed_tokens(inputs) if self.is_first else inputs.to(self.dtype), plan)
             is_logits = False
         for st in steps:
             st.cache.length = st.start + st.length

@@ -16,7 +16,7 @@ import time
 import torch
 
 from stagemesh.log import setup_logging
-from stagemesh.stage_server.engine import paged_attention
+from stagemesh.stage_server.engine import fused_ops, paged_attention
 from stagemesh.stage_server.engine.loader import TORCH_DTYPES, load_stage
 from stagemesh.stage_server.engine.tensor_parallel import WATCH_S, new_group, rank_device, receive_pass, shard_layers
 
@@ -40,6 +40,8 @@ def run(spec: dict) -> None:
                        device=device, tp=(rank, size))
     if spec["attention_kernel"]:
         paged_attention.attach(model)
+    if spec.get("fused_layers"):
+        fused_ops.attach(model)  # as rank 0 does (a CUDA stage's; a CPU rank runs op by op)
     # Rank 0 runs the final norm and LM head on the reduced hidden states; this rank stops after the layers.
     model.is_last, model.norm, model.lm_head = False, None, None
     group = new_group(spec["backend"], spec["port"], rank, size)

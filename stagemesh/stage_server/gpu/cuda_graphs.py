@@ -149,8 +149,7 @@ class GraphedPasses:
         x = model.embed_tokens(inputs) if model.is_first else inputs.to(model.dtype)
         plan = PassPlan(self.cos[pos][:, None], self.sin[pos][:, None], slots, [], self.pool, True, None, batch,
                         model.ragged_attention)
-        for layer in model.layers:
-            x = layer(x, plan)
+        x = model.run_layers(x, plan)
         if not model.is_last:
             return x
         return model.lm_head(model.norm(x if s.decode else x[last])).float()
