@@ -12,6 +12,7 @@ import torch
 from stagemesh.router.server import RouterConfig, RouterServer
 from stagemesh.stage_server import server as server_module
 from stagemesh.stage_server.config import BatcherConfig, StageConfig
+from stagemesh.stage_server.engine.batcher import inline_allowed
 from stagemesh.stage_server.engine.model import StageModel
 from stagemesh.stage_server.server import StageServer
 from tests.conftest import NO_PROBES, Mesh, collect
@@ -103,3 +104,11 @@ async def test_a_stage_serving_one_session_decodes_on_its_lone_session_threads(t
     finally:
         await mesh.stop()
         torch.set_num_threads(threads_before)
+
+
+def test_a_lone_pass_runs_inline_only_on_a_one_thread_cpu_stage():
+    """A GPU pass waits for its tokens on the host: on the event loop that wait would hold every session's
+    messages; a CPU stage of several threads would run it narrower there."""
+    assert inline_allowed("cpu", 1)
+    assert not inline_allowed("cpu", 2)
+    assert not inline_allowed("cuda", 1) and not inline_allowed("cuda", 16)

@@ -31,8 +31,9 @@ class BatcherConfig:
     """Token budget of one forward pass (default: 256 on a CPU, 2048 on CUDA: PASS_TOKENS); one step larger than
     it still runs, alone."""
     inline_max_ms: float = 5.0
-    """A lone decode step runs on the event loop while the last decode pass took less than this (0: never);
-    above it the hop to the compute thread costs less than holding the loop."""
+    """On a CPU stage of one compute thread, a lone decode step runs on the event loop while the last decode pass
+    took less than this (0: never); above it the hop to the compute thread costs less than holding the loop. A GPU
+    stage never runs a pass on the loop (the wait for its tokens would hold every session's messages)."""
     decode_groups: int = 2
     """A stage that is not the last of its chain runs at most 1/N of its open sessions' decode steps (N: this)
     in one pass (never fewer than --decode-group-min-rows), so that its chain holds that many groups of steps in

@@ -41,6 +41,14 @@ AGED_AFTER_PASSES = 2
 """A step left out of this many passes runs in the next one, first (alone if it is over the budget)."""
 
 
+def inline_allowed(device_type: str, compute_threads: int) -> bool:
+    """Whether a lone short pass may run inline on the event loop: only on a CPU whose compute thread runs torch
+    on one thread (the event loop's is held to one, compute_thread.py, and would run a wider pass narrower). Never
+    on a GPU: the pass ends in a wait for its tokens' copy back to the host, which on the loop would hold every
+    other session's messages, in and out, for the pass's length."""
+    return device_type == "cpu" and compute_threads == 1
+
+
 class BatcherStopped(RuntimeError):
     """The stage stopped or is swapping its slice: the step did not run; another chain can take it."""
 
@@ -91,10 +99,8 @@ class StepBatcher:
         self.wakeup = asyncio.Event()
         self.executor = executor
         self.open_sessions = open_sessions
-        # A lone short pass may run inline on the event loop only where the compute thread runs torch on one
-        # thread: the event loop's is held to one (compute_thread.py), and would run a wider pass narrower.
         self.base_threads = compute_threads or torch.get_num_threads()
-        self.may_inline = model.device.type != "cpu" or self.base_threads == 1
+        self.may_inline = inline_allowed(model.device.type, self.base_threads)
         self.recent_decode_ms: deque[float] = deque(maxlen=64)
         self.recent_pass_ms: deque[float] = deque(maxlen=64)  # every kind of pass
         self.warm_step_ms, self.full_pass_ms = warm_step_ms, full_pass_ms
