@@ -225,6 +225,24 @@ def test_passes_through_padded_graph_buckets_equal_transformers(tiny_models, hf_
     assert eager_passes() == before + 1
 
 
+def test_a_pass_of_padding_alone_runs_in_every_bucket_and_writes_no_sessions_block(tiny_models):
+    """What capture_all runs in each bucket before it captures it, and captures: a pass of padding alone. It must
+    run (a failure stops every capture, and the stage serves eager) and be inert: only the null block written."""
+    model = load_stage(tiny_models["llama"], 0, None, huge=False)
+    model.ragged_attention, model.fused_ops = paged_attention, FUSED
+    a = model.args
+    pool = KVPool(1 << 22, len(model.layers), a.num_kv_heads, a.head_dim, model.dtype, block_size=4, huge=False)
+    pool.k[:, pool.block_size:] = float("nan")
+    pool.v[:, pool.block_size:] = float("nan")
+    graphed = GraphedPasses(model, pool, max_tokens=16, max_len=64, capture=False, max_sessions=4)
+    assert len(graphed.buckets) == 4  # decode passes of 1, 2 and 4 sessions, mixed passes of 16 tokens
+    with torch.inference_mode():
+        for b in graphed.buckets.values():
+            graphed.fill_padding(b)
+            assert graphed.run(b).shape == (b.shape.sessions, a.vocab_size)  # the last stage's rows: sessions
+    assert pool.k[:, pool.block_size:].isnan().all() and pool.v[:, pool.block_size:].isnan().all()
+
+
 @pytest.mark.parametrize("rows", [1, 5, 40])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("bias", [False, True])

@@ -181,7 +181,7 @@ class GraphedPasses:
         tile_seq += [pad] * (s.tiles - len(tile_seq))  # padding tiles: the padding session's
         tile_q0 += [0] * (s.tiles - len(tile_q0))
         head = array("i", row0 + qlen + start + tile_seq + tile_q0)
-        width = min(self.width, max(len(st.cache.blocks) for st in steps))
+        width = min(self.width, max((len(st.cache.blocks) for st in steps), default=0))
         tables = array("i")
         for st in steps:
             held = st.cache.blocks[:width]
@@ -195,6 +195,11 @@ class GraphedPasses:
         used = len(head) + sessions * self.width  # up to the last row read
         b.longs.copy_(b.host_longs, non_blocking=True)
         b.ints[:used].copy_(b.host_ints[:used], non_blocking=True)
+
+    def fill_padding(self, b: Bucket) -> None:
+        """The bucket's buffers as a pass of padding alone, inert (its rows write into the null block): what a
+        capture runs, once outside the graph and once inside."""
+        self._fill(b, [])
 
     def pick(self, inputs: torch.Tensor, steps: list[StepSlice]) -> tuple[Bucket | None, str]:
         """The bucket of this pass, or None and why it has none."""
@@ -241,7 +246,7 @@ class GraphedPasses:
         for b in sorted(self.buckets.values(), key=lambda b: (b.shape.tokens, not b.shape.decode), reverse=True):
             t0, before = time.perf_counter(), torch.cuda.memory_reserved()
             try:
-                self._fill(b, [])  # all padding: inert
+                self.fill_padding(b)
                 side = torch.cuda.Stream()
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):  # first use (cuBLAS handles, Triton's compilation) outside the graph

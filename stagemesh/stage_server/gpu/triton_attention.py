@@ -78,7 +78,7 @@ def _paged_attention(
     for k_start in range(lo, hi, BLOCK_N):
         k_pos = k_start + n
         k_ok = k_pos < hi
-        page = tl.load(table_row + k_pos // PAGE, mask=k_ok, other=0)
+        page = tl.load(table_row + k_pos // PAGE, mask=k_ok, other=0).to(tl.int64)  # past 2**31 elements per layer
         slot = page * PAGE + k_pos % PAGE
         kv = tl.load(k_pool + slot[:, None] * stride_kt + kv_head * stride_kh + d[None, :],
                      mask=k_ok[:, None] & d_ok[None, :], other=0.0)
