@@ -33,7 +33,17 @@ from stagemesh.tiny_model import make_tiny_model
 from stagemesh.tls import PlaintextConfig
 from stagemesh.v1 import router_pb2, router_pb2_grpc, stage_pb2, stage_pb2_grpc
 from stagemesh.wire import PROTOCOL_VERSION
-from tests.conftest import StageSessions, call_status, collect, hf_greedy, splits, start_mesh, step_error, step_status
+from tests.conftest import (
+    NO_PROBES,
+    StageSessions,
+    call_status,
+    collect,
+    hf_greedy,
+    splits,
+    start_mesh,
+    step_error,
+    step_status,
+)
 from tests.test_kv_pool import kv_gb_for_blocks
 from tests.test_scheduler import ControlPlane, wait_for_chains
 
@@ -425,3 +435,45 @@ async def test_weights_replaced_on_disk_make_a_reassigned_stage_announce_them_an
         assert pair.fingerprint == f"{old}, {new}"
     finally:
         await plane.stop()
+
+
+async def test_a_stage_of_another_build_never_takes_a_failed_stages_place(tiny_model, other_build, caplog, tmp_path):
+    """During a rolling update a router serves two builds' chains (--accept-fingerprints). When a stage of one
+    fails mid-stream, the other build's stage of the same layers does not take its place: a pass through two builds
+    is no model at all. The stream is replayed on a chain of one build instead, said and counted."""
+    caplog.set_level(logging.INFO, logger="stagemesh.router")
+    builds: list[list[StageServer]] = [[], []]
+    router = None
+    try:
+        for model, servers in zip((tiny_model, other_build), builds, strict=True):
+            for a, b in splits(4, 4):
+                server = StageServer(StageConfig(model=str(model), port=0, layer_start=a, layer_end=b, kv_cache_gb=0.1))
+                await server.start(server.load(a, b))
+                servers.append(server)
+        accepted = tmp_path / "accepted.txt"
+        accepted.write_text(f"{builds[1][0].fingerprint}\n")
+        router = RouterServer(RouterConfig(model=str(tiny_model), port=0, health_interval_s=0.1,
+                                           chains=[",".join(s.address for s in servers) for servers in builds],
+                                           accept_fingerprints=str(accepted), probe=NO_PROBES))
+        await router.start()
+        deadline = time.monotonic() + 30
+        while not all(c.healthy for c in router.chains.chains):
+            assert time.monotonic() < deadline, "both builds' chains usable"
+            await asyncio.sleep(0.05)
+        channel = grpc_server.insecure_channel(router.address)
+        call = router_pb2_grpc.RouterStub(channel).Generate(
+            router_pb2.GenerateRequest(token_ids=[3, 1, 4, 1, 5], max_new_tokens=16))
+        got = list((await call.read()).token_ids)
+        serving = next(servers for servers in builds if servers[1].sessions.sessions)
+        await serving[1].stop(0)
+        while (response := await call.read()) is not grpc.aio.EOF:
+            got.extend(response.token_ids)
+        await channel.close()
+        assert len(got) == 16
+        assert "takes its place" not in caplog.text
+        assert "not repairing, replaying instead: no other stage of this build serves those layers" in caplog.text
+    finally:
+        if router is not None:
+            await router.stop(0)
+        for server in builds[0] + builds[1]:
+            await server.stop(0)

@@ -42,13 +42,14 @@ REPAIRABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN})
 
 
 def replacement(chains: ChainSet, session: ChainSession, index: int) -> StageEndpoint | None:
-    """A stage of another usable chain that serves the same layers as the session's stage `index` and is
-    not already in the session's chain; from the least loaded chain."""
+    """A stage of another usable chain of the same build (fingerprint) that serves the same layers as the
+    session's stage `index` and is not already in the session's chain; from the least loaded chain. Never one of
+    another build, as during a rolling update (--accept-fingerprints): a pass through two builds is no model."""
     dead = session.chain.stages[index]
     taken = {s.address for s in session.chain.stages}
     for chain in sorted(chains.usable(), key=lambda c: c.in_flight + c.queued_steps):
-        if dead.address in {s.address for s in chain.stages}:
-            continue  # a chain through the failed stage
+        if dead.address in {s.address for s in chain.stages} or chain.fingerprint != session.chain.fingerprint:
+            continue  # a chain through the failed stage, or of another build
         for stage in chain.stages:
             if stage.address not in taken and (stage.layer_start, stage.layer_end) == (dead.layer_start,
                                                                                        dead.layer_end):
@@ -161,7 +162,7 @@ class Repairs:
         why = possible(session, exc) if self.enabled else "repair is off"
         stage = replacement(self.chains, session, session.failed_stage) if not why else None
         if stage is None:
-            why = why or "no other stage serves those layers"
+            why = why or "no other stage of this build serves those layers"
             fall_back(reason_of(why), why, self.log_extra)
             return None
         dead = session.chain.stages[session.failed_stage]

@@ -17,7 +17,7 @@ REASONS = (
     ("not the stage's own fault", "not_stage_fault"),
     ("keep no output logs", "not_kept"),
     ("names no stage", "no_stage_named"),
-    ("no other stage serves", "no_replacement"),
+    ("no other stage of this build serves", "no_replacement"),
 )
 """repair.possible()'s answers (and Repairs.step's own) by the reason label they count under: a bounded set."""
 
