@@ -643,7 +643,12 @@ def print_report(hf: SystemResult, meshes: list[SystemResult], w: Workload, plan
 
 
 def plot(hf: SystemResult, meshes: list[SystemResult], plan: Plan, meta: dict, path: Path) -> None:
-    import matplotlib
+    """The throughput curves as a PNG, where matplotlib is installed (the dev extra; a GPU image may lack it)."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"no plot: matplotlib is not installed ({path} not written)")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

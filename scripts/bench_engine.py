@@ -17,6 +17,7 @@ With --json FILE the figures are written there too.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import statistics
@@ -56,6 +57,7 @@ def random_model(shape: str, device: torch.device, dtype: torch.dtype) -> StageM
     inv_freq = 1.0 / (config["rope_theta"] ** (torch.arange(0, args.head_dim, 2).float() / args.head_dim))
     with torch.device(device):
         model = StageModel(args, 0, args.num_layers, inv_freq, 1.0).to(dtype)
+    model.inv_freq = inv_freq.to(device)  # float32 on the device, as the loader leaves it (.to(dtype) narrowed it)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -230,6 +232,7 @@ def main() -> None:
     for shape in args.shape or ["1b"]:
         results.append(measure(shape, args))
         report(results[-1])
+        gc.collect()  # the last shape's model and its graphs refer to each other
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # the last shape's weights and pool, gone with measure()
     if args.json:

@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # The GPU check (issue 42), for a machine with a CUDA GPU; about 9 minutes on an H100.
 #
-#   scripts/gpu_check.sh [--model DIR] [--out DIR] [--python PY] [--keep-going] [--dry-run]
+#   scripts/gpu_check.sh [--model DIR] [--out DIR] [--python PY] [--steps 0,1,...] [--keep-going] [--dry-run]
 #
+# On a lent machine whose $OUT comes back: --python python3 --keep-going --out "$OUT/gpu" 2>&1 | tee "$OUT/log";
+# --steps splits the run over calls (step 1's model stays on a machine that stays warm).
+#
+# 0. the device, every import the steps need, and a Triton kernel launched on it (a missing package is named);
 # 1. makes a ~1.1B random Llama in bfloat16 (TinyLlama's shape: hidden 2048, 22 layers, 32 heads, 4 KV heads,
 #    intermediate 5632, vocab 32000; stagemesh/tiny_model.py, no model hub) unless DIR holds one;
 # 2. exactness on CUDA: a 2-stage chain against transformers on the same GPU, eager (--enforce-eager) and with
@@ -27,15 +31,17 @@ OUT=bench-out/gpu
 PY=${PYTHON:-.venv/bin/python}
 DRY=0
 KEEP=0
+STEPS=""
 FAILED=()
 
-usage() { sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; }
 
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --model) MODEL=${2:?--model needs a directory}; shift 2 ;;
     --out) OUT=${2:?--out needs a directory}; shift 2 ;;
     --python) PY=${2:?--python needs an interpreter}; shift 2 ;;
+    --steps) STEPS=${2:?--steps needs a list of step numbers}; shift 2 ;;
     --keep-going) KEEP=1; shift ;;
     --dry-run) DRY=1; shift ;;
     -h|--help) usage; exit 0 ;;
@@ -46,8 +52,15 @@ done
 cd "$(dirname "$0")/.."
 STEP="start"
 trap 'echo "gpu_check: FAILED in step: $STEP (exit $?)" >&2' ERR
-step() { STEP=$1; echo; echo "== $STEP"; }
+SKIP=0
+step() {
+  STEP=$1
+  SKIP=0
+  [[ -n $STEPS && ",$STEPS," != *",${STEP%%.*},"* ]] && SKIP=1
+  echo; echo "== $STEP$([[ $SKIP == 1 ]] && echo ' (skipped: --steps)')"
+}
 run() {
+  [[ $SKIP == 1 ]] && return 0
   echo "+ $*"
   [[ $DRY == 1 ]] && return 0
   if [[ $KEEP == 1 ]]; then
@@ -63,6 +76,20 @@ if not torch.cuda.is_available():
     sys.exit("gpu_check: torch sees no CUDA device (this script is for a GPU machine; --dry-run shows its steps)")
 p = torch.cuda.get_device_properties(0)
 print(f"{p.name}, {p.total_memory / 2**30:.0f} GiB, torch {torch.__version__}, CUDA {torch.version.cuda}")'
+run "$PY" -c 'import sys; sys.path.insert(0, ".")
+import importlib
+missing = []
+for name in ("stagemesh.cli", "stagemesh.stage_server.server", "stagemesh.router.server", "transformers", "pytest",
+             "pytest_asyncio", "psutil", "triton"):
+    try:
+        importlib.import_module(name)
+    except Exception as exc:
+        missing.append(f"{name}: {type(exc).__name__}: {exc}")
+if missing:
+    sys.exit("gpu_check: cannot import what the steps need (carry its wheels):\n  " + "\n  ".join(missing))
+from stagemesh.stage_server.gpu import triton_check
+triton_check.launch("cuda")
+print("imports and a Triton kernel on the GPU: ok")'
 
 step "1. a ~1.1B random Llama in bfloat16 at $MODEL"
 run "$PY" -c "import sys; sys.path.insert(0, '.')

@@ -142,6 +142,9 @@ def test_gpu_check_parses_its_arguments_and_dry_runs():
     assert "all steps passed (dry run" in dry.stdout
     bad = subprocess.run([script, "--no-such-flag"], capture_output=True, text=True, timeout=30)
     assert bad.returncode == 2 and "unknown argument" in bad.stderr
+    some = subprocess.run([script, "--dry-run", "--steps", "0,3"], capture_output=True, text=True, timeout=30)
+    assert some.returncode == 0 and "bench_engine.py" in some.stdout and "test_device_exactness" not in some.stdout
+    assert "== 2. exactness on CUDA" in some.stdout and "(skipped: --steps)" in some.stdout
 
 
 @pytest.mark.timeout(RUN_S + 60)

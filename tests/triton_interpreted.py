@@ -23,7 +23,7 @@ from stagemesh.stage_server.engine.loader import load_stage
 from stagemesh.stage_server.engine.model import FusedOps, RMSNorm, StepSlice, apply_rope, rope_tables
 from stagemesh.stage_server.engine.pass_plan import paged_batch
 from stagemesh.stage_server.engine.quantize import int8_rows
-from stagemesh.stage_server.gpu import triton_fused
+from stagemesh.stage_server.gpu import triton_check, triton_fused
 from stagemesh.stage_server.gpu.cuda_graphs import GraphedPasses
 from stagemesh.stage_server.gpu.triton_attention import decode_attention, paged_attention
 from stagemesh.stage_server.gpu.triton_int8 import int8_weight_matmul
@@ -241,6 +241,10 @@ def test_a_pass_of_padding_alone_runs_in_every_bucket_and_writes_no_sessions_blo
             graphed.fill_padding(b)
             assert graphed.run(b).shape == (b.shape.sessions, a.vocab_size)  # the last stage's rows: sessions
     assert pool.k[:, pool.block_size:].isnan().all() and pool.v[:, pool.block_size:].isnan().all()
+
+
+def test_the_check_that_triton_launches_a_kernel_passes_where_it_does():
+    triton_check.launch("cpu")  # through the interpreter here; a stage runs it on its GPU before any kernel
 
 
 @pytest.mark.parametrize("rows", [1, 5, 40])

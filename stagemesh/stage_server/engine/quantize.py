@@ -114,8 +114,10 @@ class Fp8Linear(nn.Module):
         flat = x.reshape(-1, x.shape[-1]).float()
         x_scale = flat.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / FP8_MAX  # [M, 1]
         xq = (flat / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        # A scale per row and per column: CUDA's kernel writes bfloat16 only, widened or narrowed after.
+        out_dtype = torch.bfloat16 if x.is_cuda else x.dtype
         out = torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale, scale_b=self.scale[None, :],
-                               out_dtype=x.dtype)
+                               out_dtype=out_dtype).to(x.dtype)
         out = out.reshape(*x.shape[:-1], -1)
         return out if self.bias is None else out + self.bias
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import torch
+
 from stagemesh.stage_server.engine.compiled import is_compiled, warm_up_decode
 from stagemesh.stage_server.engine.kv_pool import KVPool, PoolExhausted
 from stagemesh.stage_server.engine.model import StageModel, StepSlice
@@ -22,6 +24,8 @@ def _scratch_passes(model: StageModel, pool: KVPool, lengths: tuple[int, ...]) -
             pool.grow(cache, start + n)
             t0 = time.perf_counter()
             model(model.scratch_inputs(n), [StepSlice(cache, 0, start, n)])
+            if model.device.type == "cuda":
+                torch.cuda.synchronize(model.device)  # the pass itself, not its launch (a graph's replay returns)
             seconds.append(time.perf_counter() - t0)
             start += n
     finally:

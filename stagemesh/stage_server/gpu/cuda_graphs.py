@@ -81,6 +81,7 @@ class Bucket:
     host_longs: torch.Tensor  # their host copies (pinned on CUDA), filled by each pass
     host_ints: torch.Tensor
     graph: torch.cuda.CUDAGraph | None = None  # None: capture=False, run() is called on the buffers
+    copied: torch.cuda.Event | None = None  # on CUDA, recorded after the host buffers' last copy to the device
     out: torch.Tensor | None = None  # the graph's output
     capture_s: float = 0.0
     capture_bytes: int = 0
@@ -162,6 +163,8 @@ class GraphedPasses:
         there is never read. Written whole, the tables were (sessions + 1) x --max-model-len's blocks of Python
         ints every pass: ~6 ms a 64-session pass at a 4,096-position context, ~50 ms at 131,072 (on a 2-vCPU VM)."""
         s, bs, pad = b.shape, self.pool.block_size, b.shape.sessions
+        if b.copied is not None:
+            b.copied.synchronize()  # the last pass's copy out of the host buffers is done before they change
         positions, slot_list, last, tile_seq, tile_q0 = [], [], [], [], []
         for i, st in enumerate(steps):
             positions.extend(range(st.start, st.start + st.length))
@@ -195,6 +198,10 @@ class GraphedPasses:
         used = len(head) + sessions * self.width  # up to the last row read
         b.longs.copy_(b.host_longs, non_blocking=True)
         b.ints[:used].copy_(b.host_ints[:used], non_blocking=True)
+        if b.ints.is_cuda:
+            if b.copied is None:
+                b.copied = torch.cuda.Event()
+            b.copied.record()
 
     def fill_padding(self, b: Bucket) -> None:
         """The bucket's buffers as a pass of padding alone, inert (its rows write into the null block): what a
