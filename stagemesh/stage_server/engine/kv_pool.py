@@ -274,8 +274,7 @@ class KVPool:
         if self.free:
             block = self.free.pop()
         elif self.evictable:
-            block, _ = self.evictable.popitem(last=False)
-            del self.cached[self.key_of.pop(block)]
+            block = self._evict_oldest()
         else:
             return None
         self.refs[block] = 1
@@ -287,10 +286,14 @@ class KVPool:
         with self._lock:
             dropped = len(self.evictable)
             while self.evictable:
-                block, _ = self.evictable.popitem(last=False)
-                del self.cached[self.key_of.pop(block)]
-                self.free.append(block)
+                self.free.append(self._evict_oldest())
             return dropped
+
+    def _evict_oldest(self) -> int:
+        """The least recently used cached block no session holds, taken out of the prefix index."""
+        block, _ = self.evictable.popitem(last=False)
+        del self.cached[self.key_of.pop(block)]
+        return block
 
     def _register(self, cache: SessionCache) -> None:
         """Indexes cache's computed full blocks under its prefix keys (first come, first kept)."""

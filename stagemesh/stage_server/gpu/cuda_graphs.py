@@ -108,7 +108,6 @@ class GraphedPasses:
             raise ValueError("graphs of every pass need the ragged attention kernel (Triton, on CUDA)")
         self.model, self.pool, self.capture = model, pool, capture
         self.width = pool.blocks_for(max_len)  # every table's width: --max-model-len's blocks
-        self.nulls = [NULL_BLOCK] * self.width  # a row's padding, sliced (_fill)
         self.max_len = self.width * pool.block_size
         self.cos, self.sin = model.rope(self.max_len, model.dtype)
         device = model.device
@@ -187,9 +186,7 @@ class GraphedPasses:
         width = min(self.width, max((len(st.cache.blocks) for st in steps), default=0))
         tables = array("i")
         for st in steps:
-            held = st.cache.blocks[:width]
-            tables.extend(held)
-            tables.extend(self.nulls[: width - len(held)])
+            tables.extend(st.cache.block_table(width))
         b.host_longs.copy_(torch.frombuffer(array("q", positions + slot_list + last), dtype=torch.long))
         b.host_ints[:len(head)].copy_(torch.frombuffer(head, dtype=torch.int32))
         if width:
