@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # The GPU check (issue 42), for a machine with a CUDA GPU; about 9 minutes on an H100.
 #
-#   scripts/gpu_check.sh [--model DIR] [--out DIR] [--python PY] [--steps 0,1,...] [--keep-going] [--dry-run]
+#   scripts/gpu_check.sh [--model DIR] [--out DIR] [--python PY] [--wheels DIR] [--steps 0,1,...] [--keep-going]
+#                        [--dry-run]
 #
-# On a lent machine whose $OUT comes back: --python python3 --keep-going --out "$OUT/gpu" 2>&1 | tee "$OUT/log";
-# --steps splits the run over calls (step 1's model stays on a machine that stays warm).
+# On a lent machine whose $OUT comes back, with the wheels its image lacks made here first
+# (scripts/dev/gpu_wheels.sh, carried as .gpu-wheels):
+#   bash scripts/gpu_check.sh --python python3 --wheels .gpu-wheels --keep-going --out "$OUT/gpu" 2>&1 | tee "$OUT/log"
+# --steps splits the run over calls (step 1's model stays on a machine that stays warm). --wheels installs DIR's
+# wheels into $TMPDIR/gpu-check-site (no index needed) and puts it first on PYTHONPATH for every step.
 #
 # 0. the device, every import the steps need, and a Triton kernel launched on it (a missing package is named);
 # 1. makes a ~1.1B random Llama in bfloat16 (TinyLlama's shape: hidden 2048, 22 layers, 32 heads, 4 KV heads,
@@ -29,18 +33,20 @@ set -euo pipefail
 MODEL=models/llama-1b
 OUT=bench-out/gpu
 PY=${PYTHON:-.venv/bin/python}
+WHEELS=""
 DRY=0
 KEEP=0
 STEPS=""
 FAILED=()
 
-usage() { sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//'; }
 
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --model) MODEL=${2:?--model needs a directory}; shift 2 ;;
     --out) OUT=${2:?--out needs a directory}; shift 2 ;;
     --python) PY=${2:?--python needs an interpreter}; shift 2 ;;
+    --wheels) WHEELS=${2:?--wheels needs a directory of wheels}; shift 2 ;;
     --steps) STEPS=${2:?--steps needs a list of step numbers}; shift 2 ;;
     --keep-going) KEEP=1; shift ;;
     --dry-run) DRY=1; shift ;;
@@ -69,6 +75,20 @@ run() {
     "$@"
   fi
 }
+
+if [[ -n $WHEELS ]]; then  # before any step, whichever --steps runs (a fresh machine has none of them)
+  SITE=${TMPDIR:-/tmp}/gpu-check-site
+  # Every package the wheels hold, by name: pip picks the ones built for this Python from DIR alone.
+  shopt -s nullglob
+  FOUND=("$WHEELS"/*.whl)
+  shopt -u nullglob
+  [[ ${#FOUND[@]} -gt 0 ]] || { echo "gpu_check: no wheels in $WHEELS (scripts/dev/gpu_wheels.sh makes them)" >&2; exit 2; }
+  NAMES=($(printf '%s\n' "${FOUND[@]##*/}" | sed 's/-.*//' | sort -u))
+  STEP="installing the carried wheels"
+  echo "+ $PY -m pip install --quiet --no-index --find-links $WHEELS --target $SITE --upgrade ${NAMES[*]}"
+  [[ $DRY == 1 ]] || "$PY" -m pip install --quiet --no-index --find-links "$WHEELS" --target "$SITE" --upgrade "${NAMES[@]}"
+  export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
 
 step "0. a CUDA device"
 run "$PY" -c 'import sys, torch

@@ -147,6 +147,23 @@ def test_gpu_check_parses_its_arguments_and_dry_runs():
     assert "== 2. exactness on CUDA" in some.stdout and "(skipped: --steps)" in some.stdout
 
 
+def test_gpu_check_installs_the_carried_wheels_by_name_from_their_folder_alone(tmp_path):
+    """--wheels: the GPU machine has no package index; pip takes each package the folder holds from it."""
+    script = str(ROOT / "scripts" / "gpu_check.sh")
+    for wheel in ("grpcio-1.85.1-cp312-cp312-manylinux2014_x86_64.whl", "grpcio-1.85.1-cp311-cp311-any.whl",
+                  "protobuf-7.36.2-cp310-abi3-manylinux2014_x86_64.whl"):
+        (tmp_path / wheel).write_bytes(b"")
+    dry = subprocess.run([script, "--dry-run", "--steps", "0", "--wheels", str(tmp_path)], capture_output=True,
+                         text=True, timeout=30)
+    assert dry.returncode == 0, dry.stderr
+    install = next(line for line in dry.stdout.splitlines() if "pip install" in line)
+    assert f"--no-index --find-links {tmp_path}" in install and install.endswith(" grpcio protobuf")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    none = subprocess.run([script, "--steps", "0", "--wheels", str(empty)], capture_output=True, text=True, timeout=30)
+    assert none.returncode == 2 and "no wheels in" in none.stderr
+
+
 @pytest.mark.timeout(RUN_S + 60)
 def test_bench_tp_rows_measure_both_layouts(tmp_path, tiny_model):
     out = tmp_path / "bench-tp"
