@@ -722,7 +722,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _stop_on_sigterm(*_) -> None:
+def stop_on_sigterm(*_) -> None:
     raise SystemExit(143)  # unwinds through every finally: meshes and workers are stopped
 
 
@@ -738,7 +738,7 @@ def main(argv: list[str] | None = None) -> None:
         result = WORKERS[args.worker](json.loads(args.spec.read_text()))
         args.result.write_text(json.dumps(result))
         return
-    signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    signal.signal(signal.SIGTERM, stop_on_sigterm)
     signal.signal(signal.SIGINT, _stop_on_sigint)
     try:
         if args.tp:

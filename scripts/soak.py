@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 import grpc  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
+from scripts.bench import stop_on_sigterm  # noqa: E402
 from stagemesh import grpc_server  # noqa: E402
 from stagemesh.tiny_model import make_tiny_model  # noqa: E402
 from stagemesh.v1 import router_pb2, router_pb2_grpc  # noqa: E402
@@ -336,6 +337,7 @@ def main() -> None:
     p.add_argument("--hold-s", type=float, default=10.0,
                    help="--netns: how long each fault is held (a partition twice as long)")
     args = p.parse_args()
+    signal.signal(signal.SIGTERM, stop_on_sigterm)  # the namespaces, etcd and every process go with it
     if args.netns and (why := unavailable()):
         sys.exit(f"soak.py --netns needs network namespaces, and cannot make them here: {why}")
     summary = soak_netns(args) if args.netns else asyncio.run(soak(args))
