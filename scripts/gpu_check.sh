@@ -82,11 +82,15 @@ if [[ -n $WHEELS ]]; then  # before any step, whichever --steps runs (a fresh ma
   shopt -s nullglob
   FOUND=("$WHEELS"/*.whl)
   shopt -u nullglob
-  [[ ${#FOUND[@]} -gt 0 ]] || { echo "gpu_check: no wheels in $WHEELS (scripts/dev/gpu_wheels.sh makes them)" >&2; exit 2; }
+  if [[ ${#FOUND[@]} -eq 0 ]]; then
+    echo "gpu_check: no wheels in $WHEELS (scripts/dev/gpu_wheels.sh makes them)" >&2
+    exit 2
+  fi
   NAMES=($(printf '%s\n' "${FOUND[@]##*/}" | sed 's/-.*//' | sort -u))
   STEP="installing the carried wheels"
   echo "+ $PY -m pip install --quiet --no-index --find-links $WHEELS --target $SITE --upgrade ${NAMES[*]}"
-  [[ $DRY == 1 ]] || "$PY" -m pip install --quiet --no-index --find-links "$WHEELS" --target "$SITE" --upgrade "${NAMES[@]}"
+  [[ $DRY == 1 ]] || "$PY" -m pip install --quiet --no-index --find-links "$WHEELS" --target "$SITE" --upgrade \
+    "${NAMES[@]}"
   export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
 

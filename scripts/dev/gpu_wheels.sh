@@ -5,10 +5,11 @@
 #
 # The GPU machine's image has torch, Triton, transformers and pytest but no package index; the generated stubs
 # refuse an older grpcio or protobuf than the ones that made them, and the stage and router import more (psutil,
-# cryptography, grpcio-health-checking, the HTTP front's fastapi, ...). This downloads the runtime's packages at
-# constraints.txt's versions as binary wheels for each Python version named (about 19 MB for one), into DIR,
-# which git ignores: name DIR in the device call's carry (at most 64 MiB travel per call, the tree included).
-# Only what the image lacks is fetched: not torch, triton, transformers, tokenizers, numpy or safetensors.
+# cryptography, grpcio-health-checking, threadpoolctl, the HTTP front's fastapi, ...). This downloads the
+# runtime's packages at constraints.txt's versions as binary wheels for each Python version named (about 19 MB
+# for one), into DIR, which git ignores: name DIR in the device call's carry (at most 64 MiB travel per call, the
+# tree included). Only what the image lacks is fetched: not torch, triton, transformers, tokenizers, numpy or
+# safetensors.
 set -euo pipefail
 
 cd "$(dirname "$0")/../.."
@@ -18,7 +19,7 @@ VERSIONS=("$@")
 [[ ${#VERSIONS[@]} -gt 0 ]] || VERSIONS=(3.12)
 PY=${PYTHON:-.venv/bin/python}
 PACKAGES=(grpcio grpcio-reflection grpcio-health-checking protobuf prometheus-client psutil cryptography
-          fastapi uvicorn sse-starlette jinja2 httpx tqdm pytest-asyncio pytest-timeout)
+          threadpoolctl fastapi uvicorn sse-starlette jinja2 httpx tqdm pytest-asyncio pytest-timeout)
 
 mkdir -p "$DIR"
 for version in "${VERSIONS[@]}"; do
