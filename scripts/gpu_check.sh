@@ -87,10 +87,8 @@ if [[ -n $WHEELS ]]; then  # before any step, whichever --steps runs (a fresh ma
     exit 2
   fi
   NAMES=($(printf '%s\n' "${FOUND[@]##*/}" | sed 's/-.*//' | sort -u))
-  STEP="installing the carried wheels"
-  echo "+ $PY -m pip install --quiet --no-index --find-links $WHEELS --target $SITE --upgrade ${NAMES[*]}"
-  [[ $DRY == 1 ]] || "$PY" -m pip install --quiet --no-index --find-links "$WHEELS" --target "$SITE" --upgrade \
-    "${NAMES[@]}"
+  STEP="installing the carried wheels"  # run() before any step(): never skipped by --steps
+  run "$PY" -m pip install --quiet --no-index --find-links "$WHEELS" --target "$SITE" --upgrade "${NAMES[@]}"
   export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
 
